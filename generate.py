@@ -1,0 +1,536 @@
+"""Fast multi-turn generation for agent rollouts: per-episode KV caches kept across turns, continuous batching.
+
+What it does
+------------
+An agent episode is a long conversation that grows by one observation and one model turn at a time
+(paper §3.2 and §3.3: up to 150 turns, 128k context). The plain path (`HFPolicy` before this module, and the
+`plain` loop in `scripts/bench_generate.py`) re-renders and re-encodes the whole conversation with
+`model.generate` every turn: prefill cost grows with the conversation, so a rollout is quadratic in turns,
+and a batch waits for its longest row. `Engine` removes both costs:
+
+* `Engine.step([(episode_id, new_ids), ...])` feeds ONLY the tokens appended since the episode's last call
+  (observation + generation-prompt suffix; the whole prompt on the first call) on top of the episode's
+  cached keys/values, then samples up to `max_new_tokens`. The last sampled token of a turn is not yet in
+  the cache; it is fed first on the next turn, so every token of a conversation enters the model exactly
+  once (`Engine.fed` counts it; tests/test_generate.py checks it).
+  `Engine.step_full([(episode_id, all_ids), ...])` takes the full rendered conversation instead and feeds
+  the part after the longest common prefix with what the episode has cached (it rewinds the cache if the
+  chat template re-rendered an earlier token differently), which is what `policy.HFPolicy` needs.
+* Continuous batching: up to `max_batch` rows decode together with ragged cache lengths. A row that hits a
+  stop id or its budget leaves (its cache is copied out; dead rows are compacted away once
+  `compact_min` of them accumulate) and waiting requests join mid-turn once `admit_min` slots are free
+  (their new tokens are prefilled as a group and the group joins the running decode batch).
+
+Layout and why not the library's continuous batching
+----------------------------------------------------
+transformers 5 ships `generate_batch` / `ContinuousBatchingManager` (paged KV cache, background thread). It
+frees a request's blocks when the request ends, and its prefix sharing only reuses complete blocks of
+prompts it has seen; it cannot hold an episode's exact cache (including the partial last block and the
+pending sampled token) across a tool call that takes minutes, per-request torch.Generators are not part
+of its API, and the module changes between 5.17 (GPU image) and 5.24 (CI). So this is a manual decode loop
+over the model's own forward, using the library where it fits:
+* the batched cache is a `transformers.Cache` of `StaticLayer`s (`_RaggedLayer`) whose buffers are views of
+  one preallocated arena `(layers, 2, max_batch, kv_heads, C, head_dim)`; row b holds its episode's tokens
+  at columns [0, len_b) with no padding holes, so column == RoPE position and a row writes each new token
+  at its own column (StaticLayer.update uses one shared write position; ours writes per row);
+* the 4D mask `(B, 1, q, C)` is built here (`col <= len_b + i`) and passed straight through
+  `create_causal_mask` (its documented 4D early exit);
+* attention is registered through `AttentionInterface` for the engine's calls only: decode folds the
+  query heads that share a kv head into the query axis, so grouped-query attention reads K/V once
+  instead of `repeat_kv`-copying them (8x for Qwen3-30B-A3B) as transformers' sdpa path does with a mask;
+* the MoE experts run with whatever `experts_implementation` the model has (transformers' default is
+  `grouped_mm` where it can dispatch; `Engine(experts=...)` sets another one for the engine's calls).
+Episode caches live between turns as compact tensors `(layers, 2, kv_heads, n, head_dim)` and are copied
+into the arena at the start of a `step` and out when the row finishes (a memcpy of the cache per turn,
+small next to a turn's decode steps).
+
+Sampling and log-probs
+----------------------
+Each episode has its own CPU `torch.Generator` (`episode_generator(seed, episode_id)`), and a sampled token
+uses exactly one uniform draw from it (inverse CDF over temperature/top-k/top-p-filtered probabilities), so
+the draw does not depend on which other episodes share the batch, the batch order or the device.
+Returned log-probs are `log_softmax(logits)` at temperature 1, unfiltered: the behaviour policy's
+log-prob of the sampled token under the raw model. The PPO ratio recomputes log-probs on the training
+side anyway (the paper's first collapse came from a train/inference precision mismatch, §3.3).
+
+Departures from the paper
+-------------------------
+1. The paper's RL framework generates with a dedicated inference server; we generate with the training
+   model itself (transformers forward, LoRA adapter live), which needs no adapter reload after an update.
+   A vLLM backend is an extension point only (`RolloutBackend` below), because vLLM is not on our GPU
+   image and untested backend code is worse than none.
+2. Sliding-window attention and non-attention (linear/SSM) layers are not supported by the ragged arena;
+   the engine asserts a plain full-attention decoder (Qwen3-MoE, Qwen3, Llama families).
+
+Correctness
+-----------
+In fp32 on CPU, greedy tokens equal the plain path's (`model.generate` on the re-encoded conversation, and
+`plain_turn`, a full-recompute sampler that shares `sample_next`), and sampled tokens equal `plain_turn`'s
+with the same per-episode generators (tests/test_generate.py). In bf16 on GPU, batching and padding
+change the reduction order, so logits differ by rounding; `scripts/bench_generate.py` reports the
+fraction of identical greedy turns and max |delta logprob| over identical prefixes.
+
+How policy.HFPolicy uses it (one engine per rollout phase; the model is the live training model):
+    engine = Engine(model, tok, max_batch=64, max_new_tokens=..., temperature=..., top_p=..., top_k=...,
+                    seed=..., stop_ids={end_of_turn_id}, cuda_graphs=True)
+    outs = engine.step_full([(s.episode_id, prompt_ids(s)) for s in states])   # full rendered ids per episode
+    # -> [(episode_id, sampled_ids incl. the stop id, logprobs at T=1, "stop" | "length" | "context")]
+    engine.release(episode_id)   # when an episode ends; drop the engine after a weight update (stale caches)
+
+Smoke: python -m pytest -q tests/test_generate.py
+Bench (CPU toy): python scripts/bench_generate.py --device cpu --preset toy
+Bench (H200):   python scripts/bench_generate.py --preset small --out bench_small.json
+                python scripts/bench_generate.py --preset a3b --out bench_a3b.json
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import zlib
+from dataclasses import dataclass, field
+from typing import Hashable, Protocol
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, DynamicCache, StaticLayer
+
+ATTN_NAME = "cuda_agent_ragged"
+
+
+# --------------------------------------------------------------------------------------------------
+# sampling (shared by the engine and the plain reference)
+# --------------------------------------------------------------------------------------------------
+
+
+def cache_kwarg(module) -> str:
+    """The forward kwarg that takes the KV cache: `cache` in transformers >= 5.2x, `past_key_values` before."""
+    base = module.get_base_model() if hasattr(module, "get_base_model") else module     # unwrap a peft model
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
+def episode_generator(seed: int, episode_id: Hashable) -> torch.Generator:
+    """The CPU generator an episode samples from: a stable function of (engine seed, episode id)."""
+    key = zlib.crc32(repr(episode_id).encode())
+    return torch.Generator().manual_seed((seed * 1_000_003 + key) % (2 ** 63))
+
+
+def sample_next(logits: torch.Tensor, generators: list[torch.Generator], temperature: float = 1.0,
+                top_p: float = 1.0, top_k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row. logits (B, V) -> (ids (B,), logprobs (B,) = log_softmax(logits) at T=1).
+
+    temperature 0 is greedy (argmax, first max on ties, as `generate`). Otherwise row b draws one
+    uniform u_b from generators[b] and takes the inverse CDF of its filtered distribution.
+    """
+    assert logits.dim() == 2 and len(generators) == logits.shape[0], "one generator per row"
+    logits = logits.float()
+    logprobs = torch.log_softmax(logits, dim=-1)                                  # (B, V) at temperature 1
+    if temperature <= 0:
+        ids = logits.argmax(dim=-1)                                               # (B,)
+    else:
+        probs = torch.softmax(logits / temperature, dim=-1)                      # (B, V)
+        order = None
+        if top_k > 0 or top_p < 1.0:
+            probs, order = probs.sort(dim=-1, descending=True)                   # (B, V) each
+            keep = torch.ones_like(probs, dtype=torch.bool)
+            if top_k > 0:
+                keep[:, top_k:] = False
+            if top_p < 1.0:
+                keep &= (probs.cumsum(-1) - probs) < top_p                       # mass before it < top_p
+            probs = probs * keep
+        cdf = probs.cumsum(dim=-1)                                                # (B, V)
+        u = torch.tensor([torch.rand((), generator=g).item() for g in generators],
+                         dtype=cdf.dtype, device=cdf.device)                     # (B,)
+        idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+        idx = idx.clamp(max=cdf.shape[-1] - 1)                                    # (B,)
+        ids = idx if order is None else order.gather(-1, idx.unsqueeze(-1)).squeeze(-1)
+    return ids, logprobs.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+
+
+@torch.no_grad()
+def plain_turn(model, ids: list[int], max_new_tokens: int, stop_ids: set[int], generator: torch.Generator,
+               temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0) -> tuple[list[int], list[float], str]:
+    """Reference: one turn of the plain path. The whole conversation is re-encoded (fresh cache), then decoded
+    one token at a time with a DynamicCache, sampling with `sample_next`. Returns (ids, logprobs, reason)."""
+    dev = next(model.parameters()).device
+    out, lps, inp = [], [], torch.tensor([ids], device=dev)                  # (1, n): the full conversation
+    kw, cache = cache_kwarg(model), DynamicCache(config=model.config)
+    for _ in range(max_new_tokens):
+        logits = model(input_ids=inp, use_cache=True, **{kw: cache}).logits
+        tok, lp = sample_next(logits[:, -1], [generator], temperature, top_p, top_k)   # logits (1, V)
+        out.append(int(tok)), lps.append(float(lp))
+        if out[-1] in stop_ids:
+            return out, lps, "stop"
+        inp = tok.view(1, 1)
+    return out, lps, "length"
+
+
+# --------------------------------------------------------------------------------------------------
+# the ragged batched cache
+# --------------------------------------------------------------------------------------------------
+
+
+def _ragged_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """query (B, Hq, q, D); key/value (B, Hkv, C, D) arena views; attention_mask (B, 1, q, C) bool (True = attend).
+
+    Returns (B, q, Hq, D) like transformers' sdpa_attention_forward.
+    """
+    B, Hq, q, D = query.shape
+    Hkv = key.shape[1]
+    G = Hq // Hkv
+    if q == 1:   # decode: the G heads sharing kv head h become G "queries" of h -> no K/V copy
+        out = F.scaled_dot_product_attention(query.reshape(B, Hkv, G, D), key, value,
+                                             attn_mask=attention_mask, scale=scaling)   # (B, Hkv, G, D)
+        out = out.reshape(B, Hq, 1, D)
+    else:        # prefill: compute-bound, the K/V copy is cheap next to it
+        out = F.scaled_dot_product_attention(query, key.repeat_interleave(G, dim=1), value.repeat_interleave(G, dim=1),
+                                             attn_mask=attention_mask, scale=scaling)   # (B, Hq, q, D)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTN_NAME, _ragged_attention)
+
+
+class _RaggedLayer(StaticLayer):
+    """A StaticLayer over arena views where row b writes its q new tokens at its own columns cols[b]."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor):
+        super().__init__(max_cache_len=keys.shape[2])
+        self.keys, self.values = keys, values          # (B, Hkv, C, D) views of the arena
+        self.rows, self.cols = rows, cols              # (B, 1), (B, q)
+        self.is_initialized, self.device, self.dtype = True, keys.device, keys.dtype
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.keys[self.rows, :, self.cols] = key_states.transpose(1, 2)       # (B, q, Hkv, D)
+        self.values[self.rows, :, self.cols] = value_states.transpose(1, 2)
+        return self.keys, self.values
+
+
+@dataclass
+class _Episode:
+    ids: list[int]                     # every token of the conversation so far (cached + the pending one)
+    n_cached: int                      # ids[:n_cached] have keys/values in kv
+    kv: torch.Tensor | None            # (layers, 2, Hkv, n_cached, D) or None
+    gen: torch.Generator
+
+
+@dataclass
+class _Row:
+    eid: Hashable
+    length: int                        # tokens of this episode in its arena row (= next write column)
+    budget: int                        # tokens it may still sample this turn
+    out: list[int] = field(default_factory=list)
+    lps: list[float] = field(default_factory=list)
+    alive: bool = True
+
+
+# --------------------------------------------------------------------------------------------------
+# the engine
+# --------------------------------------------------------------------------------------------------
+
+
+class Engine:
+    """Multi-turn batched sampler with per-episode KV caches. See the module docstring."""
+
+    def __init__(self, model, tokenizer=None, max_batch: int = 64, max_new_tokens: int = 1024,
+                 temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, top_k: int = 0,
+                 stop_ids: set[int] | None = None, max_context: int | None = None,
+                 compact_min: int | None = None, admit_min: int | None = None,
+                 prefill_tokens: int = 16384, experts: str | None = None, cuda_graphs: bool = False,
+                 static_batch: bool = False):
+        self.model = model
+        self.decoder, self.head = model.get_decoder(), model.get_output_embeddings()
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.cfg = cfg
+        assert getattr(cfg, "sliding_window", None) is None or not getattr(cfg, "use_sliding_window", False), \
+            "sliding-window attention is not supported by the ragged arena"
+        self.n_layers, self.n_kv = cfg.num_hidden_layers, cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.max_batch, self.max_new_tokens = max_batch, max_new_tokens
+        self.temperature, self.top_p, self.top_k, self.seed = temperature, top_p, top_k, seed
+        if stop_ids is None:
+            stop_ids = set()
+            for e in (getattr(tokenizer, "eos_token_id", None), getattr(model.generation_config, "eos_token_id", None)):
+                stop_ids |= set(e if isinstance(e, (list, tuple)) else [] if e is None else [e])
+        self.stop_ids = set(stop_ids)
+        pad = getattr(tokenizer, "pad_token_id", None)
+        self.pad_id = pad if pad is not None else 0
+        self.max_context = max_context or getattr(cfg, "max_position_embeddings", 1 << 30)
+        self.compact_min = compact_min or max(1, max_batch // 8)
+        self.admit_min = admit_min or max(1, max_batch // 8)
+        self.prefill_tokens, self.experts = prefill_tokens, experts
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        self.static_batch = static_batch or self.cuda_graphs   # decode all arena rows every step (graphs need it)
+        self.graph_error: str | None = None       # why CUDA-graph decode was switched off, if it was
+        self._graph = None
+        self._cache_kw = cache_kwarg(self.decoder)
+        self.episodes: dict[Hashable, _Episode] = {}
+        self.fed: dict[Hashable, int] = {}        # tokens of each episode that entered the model (real, no pads)
+        self.stats = dict(prefill_tokens=0, prefill_positions=0, decode_tokens=0, decode_positions=0,
+                          forwards=0, admissions=0, compactions=0, rewinds=0)
+
+    # ---- public API --------------------------------------------------------------------------------
+
+    def release(self, episode_id: Hashable) -> None:
+        """Forget an episode and free its cache."""
+        self.episodes.pop(episode_id, None)
+        self.fed.pop(episode_id, None)
+
+    def history(self, episode_id: Hashable) -> list[int]:
+        """All token ids of the episode so far (prompt, observations, sampled tokens)."""
+        return list(self.episodes[episode_id].ids)
+
+    def step_full(self, requests: list[tuple]) -> list[tuple[Hashable, list[int], list[float], str]]:
+        """Like `step`, but each request carries the FULL conversation ids; only the part after the common
+        prefix with the episode's history is fed (the cache is cut back if an earlier token changed)."""
+        news = []
+        for eid, full, *rest in requests:
+            ep = self.episodes.get(eid)
+            if ep is None:
+                news.append((eid, list(full), *rest))
+                continue
+            p = 0
+            n = min(len(full), len(ep.ids))
+            while p < n and full[p] == ep.ids[p]:
+                p += 1
+            p = min(p, len(full) - 1)                      # something must be fed to get next-token logits
+            assert p >= 0, f"episode {eid!r}: empty conversation"
+            if p < len(ep.ids):                            # rewind: drop history (and cache) after p
+                self.stats["rewinds"] += p < ep.n_cached
+                ep.ids = ep.ids[:p]
+                if ep.n_cached > p:
+                    ep.n_cached = p
+                    ep.kv = ep.kv[:, :, :, :p].clone() if p > 0 else None
+            news.append((eid, list(full[p:]), *rest))
+        return self.step(news)
+
+    @torch.no_grad()
+    def step(self, requests: list[tuple]) -> list[tuple[Hashable, list[int], list[float], str]]:
+        """requests: [(episode_id, new_ids) or (episode_id, new_ids, max_new_tokens)], one per episode.
+
+        new_ids are the tokens appended since the episode's last call (the whole prompt on the first).
+        Returns [(episode_id, sampled_ids, sampled_logprobs, finish_reason)] in request order;
+        finish_reason is "stop" (a stop id was sampled, and is included), "length" (budget) or "context".
+        """
+        assert len({r[0] for r in requests}) == len(requests), "one request per episode per step"
+        results, queue = {}, []
+        for eid, new, *rest in requests:
+            ep = self.episodes.setdefault(eid, _Episode([], 0, None, episode_generator(self.seed, eid)))
+            ep.ids.extend(int(t) for t in new)
+            assert len(ep.ids) > ep.n_cached, f"episode {eid!r}: nothing to feed (pass the new observation ids)"
+            budget = min(rest[0] if rest else self.max_new_tokens, self.max_context - len(ep.ids))
+            if budget <= 0:
+                results[eid] = (eid, [], [], "context")
+            else:
+                queue.append((eid, budget))
+        if queue:
+            self._run(queue, results)
+        return [results[r[0]] for r in requests]
+
+    # ---- scheduling ---------------------------------------------------------------------------------
+
+    def _run(self, queue: list[tuple[Hashable, int]], results: dict) -> None:
+        """Continuous batching over the queued (episode, budget) pairs until all have finished."""
+        eps = self.episodes
+        n_feed = max(len(eps[e].ids) - eps[e].n_cached for e, _ in queue)
+        cap = max(max(eps[e].n_cached for e, _ in queue) + n_feed, max(len(eps[e].ids) + b for e, b in queue))
+        cap = -(-cap // 64) * 64                                          # arena columns C
+        B = min(self.max_batch, len(queue))
+        self.arena = torch.zeros(self.n_layers, 2, B, self.n_kv, cap, self.head_dim,
+                                 dtype=self.dtype, device=self.device)   # (layers, 2, B, Hkv, C, D)
+        self.rows: list[_Row] = []
+        # similar feed lengths prefill together (less padding)
+        queue = sorted(queue, key=lambda q: len(eps[q[0]].ids) - eps[q[0]].n_cached)
+        try:
+            while queue or self.rows:
+                n_alive = sum(r.alive for r in self.rows)
+                free = B - n_alive
+                admit = bool(queue) and (free >= min(self.admit_min, len(queue)) or n_alive == 0)
+                n_dead = len(self.rows) - n_alive
+                if n_dead and (admit or n_dead >= self.compact_min or n_alive == 0):
+                    self._compact()
+                if admit:
+                    group, queue = queue[:free], queue[free:]
+                    self._admit(group, results)
+                if any(r.alive for r in self.rows):
+                    self._decode(results)
+        except BaseException:
+            self._graph = None
+            for r in self.rows:              # their caches lived in the arena: drop them, never leave a torn state
+                if r.alive:
+                    self.release(r.eid)
+            raise
+        finally:
+            self._graph = None                   # it points into the arena: drop it first
+            self.arena, self.rows = None, []
+
+    def _compact(self) -> None:
+        """Move alive rows to the front of the arena (in place, increasing order: never overwrites a source)."""
+        keep = [i for i, r in enumerate(self.rows) if r.alive]
+        for new, old in enumerate(keep):
+            if new != old:
+                n = self.rows[old].length
+                self.arena[:, :, new, :, :n] = self.arena[:, :, old, :, :n]
+        self.rows = [self.rows[i] for i in keep]
+        self.stats["compactions"] += 1
+
+    def _admit(self, group: list[tuple[Hashable, int]], results: dict) -> None:
+        """Load the group's caches into free rows, prefill their new tokens (in chunks of rows), sample one token."""
+        self.stats["admissions"] += 1
+        r0 = len(self.rows)
+        for i, (eid, budget) in enumerate(group):
+            ep = self.episodes[eid]
+            if ep.kv is not None:
+                self.arena[:, :, r0 + i, :, :ep.n_cached] = ep.kv
+            ep.kv = None                                         # the arena owns it until the row finishes
+            self.rows.append(_Row(eid, ep.n_cached, budget))
+        i = 0
+        while i < len(group):                                    # chunks of rows with <= prefill_tokens positions
+            j, q = i, 0
+            while j < len(group):
+                e = self.episodes[group[j][0]]
+                q2 = max(q, len(e.ids) - e.n_cached)
+                if j > i and (j + 1 - i) * q2 > self.prefill_tokens:
+                    break
+                q, j = q2, j + 1
+            self._prefill(r0 + i, r0 + j, results)
+            i = j
+
+    def _prefill(self, a: int, b: int, results: dict) -> None:
+        """Feed rows a..b-1 their pending + new tokens, right-padded to the longest; sample each row's first token."""
+        rows = self.rows[a:b]
+        feeds = [self.episodes[r.eid].ids[r.length:] for r in rows]
+        q = max(map(len, feeds))
+        ids = torch.tensor([f + [self.pad_id] * (q - len(f)) for f in feeds], device=self.device)   # (B, q)
+        start = torch.tensor([r.length for r in rows], device=self.device)                          # (B,)
+        last = torch.tensor([len(f) - 1 for f in feeds], device=self.device)                        # (B,)
+        logits = self._forward(a, b, ids, start, last)                                              # (B, V)
+        for r, f in zip(rows, feeds):
+            r.length += len(f)
+            self.fed[r.eid] = self.fed.get(r.eid, 0) + len(f)
+        self.stats["prefill_tokens"] += sum(map(len, feeds))
+        self.stats["prefill_positions"] += ids.numel()
+        self._sample(list(range(a, b)), logits, results)
+
+    def _decode(self, results: dict) -> None:
+        """One token for every row in the arena (dead rows ride along until compaction; their output is dropped).
+
+        With CUDA graphs the step always covers all arena rows (unused ones decode a pad at column 0), so one
+        graph, captured on the first decode of a `step` call, serves every decode of that call."""
+        rows = self.rows
+        n = self.arena.shape[2] if self.static_batch else len(rows)
+        alive = [i for i, r in enumerate(rows) if r.alive]
+        ids = torch.tensor([[r.out[-1] if r.alive else self.pad_id] for r in rows] + [[self.pad_id]] * (n - len(rows)),
+                           device=self.device)                                                          # (B, 1)
+        start = torch.tensor([r.length for r in rows] + [0] * (n - len(rows)), device=self.device)       # (B,)
+        if self.cuda_graphs:
+            logits = self._graph_forward(ids, start)
+        else:
+            logits = self._forward(0, n, ids, start, torch.zeros_like(start))                          # (B, V)
+        for i in alive:
+            rows[i].length += 1
+            self.fed[rows[i].eid] += 1
+        self.stats["decode_tokens"] += len(alive)
+        self.stats["decode_positions"] += n
+        self._sample(alive, logits[alive], results)
+
+    def _graph_forward(self, ids: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        """The decode forward through a CUDA graph (static ids/start buffers in, static logits out).
+
+        The first call runs the step eagerly on a side stream (a real step: it writes the same K/V the graph
+        will), then captures it. A capture failure switches graphs off for this engine and records why."""
+        if self._graph is not None:
+            self._g_in[0].copy_(ids), self._g_in[1].copy_(start)
+            self._graph.replay()
+            self.stats["graph_replays"] = self.stats.get("graph_replays", 0) + 1
+            return self._g_out
+        self._g_in = (ids.clone(), start.clone(), torch.zeros_like(start))
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            out = self._forward(0, ids.shape[0], *self._g_in).clone()          # warm-up = this step's result
+        torch.cuda.current_stream().wait_stream(side)
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                self._g_out = self._forward(0, ids.shape[0], *self._g_in)
+            self._graph = graph
+            self.stats["graph_captures"] = self.stats.get("graph_captures", 0) + 1
+        except RuntimeError as e:   # capture is best effort: eager decode stays correct
+            self.cuda_graphs, self.graph_error, self._graph = False, f"{type(e).__name__}: {str(e)[:300]}", None
+        return out
+
+    def _sample(self, idx: list[int], logits: torch.Tensor, results: dict) -> None:
+        """Sample for rows idx (logits (len(idx), V)); finished rows copy their cache out and report."""
+        rows = [self.rows[i] for i in idx]
+        gens = [self.episodes[r.eid].gen for r in rows]
+        toks, lps = sample_next(logits, gens, self.temperature, self.top_p, self.top_k)
+        for i, r, t, lp in zip(idx, rows, toks.tolist(), lps.tolist()):
+            r.out.append(t), r.lps.append(lp)
+            r.budget -= 1
+            if t in self.stop_ids or r.budget <= 0:
+                ep = self.episodes[r.eid]
+                ep.kv = self.arena[:, :, i, :, :r.length].clone()       # (layers, 2, Hkv, n, D)
+                ep.n_cached = r.length
+                ep.ids.extend(r.out)
+                assert ep.n_cached == len(ep.ids) - 1, "cache must hold all but the pending sampled token"
+                results[r.eid] = (r.eid, r.out, r.lps, "stop" if t in self.stop_ids else "length")
+                r.alive = False
+
+    # ---- the model call ------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _engine_impl(self):
+        """Route attention (and optionally the experts) through the engine's choice for these calls only."""
+        cfg, old_attn = self.cfg, self.cfg._attn_implementation
+        old_exp = self.model.get_experts_implementation() if self.experts else None
+        cfg._attn_implementation = ATTN_NAME
+        if self.experts:
+            self.model.set_experts_implementation(self.experts)
+        try:
+            yield
+        finally:
+            cfg._attn_implementation = old_attn
+            if self.experts:
+                self.model.set_experts_implementation(old_exp)
+
+    def _forward(self, a: int, b: int, ids: torch.Tensor, start: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """Rows a..b-1 of the arena: ids (B, q) written at columns start_b + j; returns logits at j = last_b, (B, V)."""
+        B, q = ids.shape
+        C = self.arena.shape[4]
+        pos = start[:, None] + torch.arange(q, device=self.device)                       # (B, q) = columns
+        mask = (torch.arange(C, device=self.device) <= pos[:, :, None])[:, None]         # (B, 1, q, C) causal per row
+        rows = torch.arange(B, device=self.device)[:, None]                              # (B, 1)
+        cache = Cache(layers=[_RaggedLayer(self.arena[l, 0, a:b], self.arena[l, 1, a:b], rows, pos)
+                              for l in range(self.n_layers)])
+        with self._engine_impl():
+            h = self.decoder(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                             **{self._cache_kw: cache}).last_hidden_state                # (B, q, hidden)
+        self.stats["forwards"] += 1
+        return self.head(h[torch.arange(B, device=self.device), last]).float()          # (B, V)
+
+
+# --------------------------------------------------------------------------------------------------
+# extension point: other rollout backends
+# --------------------------------------------------------------------------------------------------
+
+
+class RolloutBackend(Protocol):
+    """What a rollout backend implements; `Engine` is the in-process one.
+
+    A vLLM backend (not shipped: vLLM is not on the GPU image and its wheel is far over what a device run
+    can carry, so it could not be tested) would map `step_full` onto vLLM's automatic prefix caching
+    (`enable_prefix_caching=True`; a turn's prompt is the full conversation and only uncached blocks are
+    prefilled), pass `SamplingParams(seed=..., logprobs=0)` per request, and after every PPO update reload the
+    LoRA adapter (`LoRARequest(name, new_id, path)` with a fresh id, or `llm.llm_engine.add_lora`) so that
+    rollouts use the current policy. Its log-probs would be used for logging only: the PPO ratio is always
+    recomputed by the training-side model (paper §3.3, precision mismatch).
+    """
+
+    def step(self, requests: list[tuple]) -> list[tuple[Hashable, list[int], list[float], str]]: ...
+
+    def step_full(self, requests: list[tuple]) -> list[tuple[Hashable, list[int], list[float], str]]: ...
+
+    def release(self, episode_id: Hashable) -> None: ...

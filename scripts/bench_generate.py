@@ -1,0 +1,248 @@
+"""Multi-turn rollout throughput: generate.Engine vs the plain `model.generate` loop, same model, one run.
+
+The workload mimics agent rollouts (issue 7 §4): `episodes` conversations start from a `prompt_tokens`
+prompt; every turn each one receives an observation of `obs_tokens/2..obs_tokens` random tokens and samples
+up to a per-episode budget of `new_tokens/2..new_tokens` tokens. The conversations are driven by the
+engine's outputs; on turns < `plain_turns` the plain loop runs on the SAME conversations before the
+engine's turn is appended: it left-pads every active conversation, re-encodes it with `model.generate`
+(DynamicCache, one batch that waits for its longest row) and cuts each row at its stop id / budget.
+Models have random weights built from a config (no download): `toy` (CPU), `small` (~0.7B Qwen3-MoE, the
+issue's model size) and `a3b` (the Qwen3-30B-A3B shape, ~61 GB in bf16).
+
+Reported: tokens/s of both over the turns both ran (the plain loop's later turns are only slower, so the
+speedup on its first turns is a lower bound), engine tokens/s over all turns, seconds per turn vs turn index,
+and under greedy decoding (`--temperature 0`) the fraction of turns where engine and plain produced the
+same tokens plus max |delta logprob| over the shared prefix (bf16 batching/padding change rounding).
+
+Departures: none from the paper (this is infrastructure). The plain loop uses `generate`'s own defaults
+(on GPU transformers may switch MoE experts to `batched_mm` for decode); the engine uses `--experts`.
+
+Smoke (CPU, ~1 min): python scripts/bench_generate.py --preset toy --device cpu
+Full (H200, ~4 min each): python scripts/bench_generate.py --preset small --out bench_small.json
+                          python scripts/bench_generate.py --preset a3b --out bench_a3b.json
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from generate import Engine  # noqa: E402
+
+
+@dataclasses.dataclass
+class BenchConfig:
+    preset: str = "toy"
+    """model size and workload: toy | small | a3b"""
+    device: str = "auto"
+    """cpu | cuda | auto (cuda when available)"""
+    dtype: str = "auto"
+    """float32 | bfloat16 | auto (bfloat16 on cuda, float32 on cpu)"""
+    episodes: int = 8
+    """conversations in the rollout batch"""
+    max_batch: int = 0
+    """engine decode rows (0 = episodes); fewer rows than episodes exercises continuous batching"""
+    turns: int = 4
+    """turns per episode for the engine"""
+    plain_turns: int = 4
+    """turns the plain generate loop also runs (it re-encodes everything, so it gets slow)"""
+    prompt_tokens: int = 64
+    """tokens in the first prompt"""
+    obs_tokens: int = 32
+    """max tokens per observation (each is uniform in [obs_tokens/2, obs_tokens])"""
+    new_tokens: int = 16
+    """max new tokens per turn (each episode's budget is uniform in [new_tokens/2, new_tokens])"""
+    temperature: float = 0.0
+    """0 = greedy (enables the token-identity check); > 0 samples"""
+    stop_frac: float = 0.0
+    """fraction of the vocabulary that acts as stop ids (random models rarely hit EOS; > 0 makes rows stop early)"""
+    experts: str | None = None
+    """MoE experts implementation for the engine: grouped_mm | batched_mm | eager | None (model default)"""
+    cuda_graphs: bool = True
+    """engine decode through CUDA graphs (falls back to eager, and says why, if capture fails)"""
+    seed: int = 0
+    """seed for weights and workload"""
+    out: str | None = None
+    """write the results JSON here"""
+
+
+PRESETS = {
+    "toy": BenchConfig(),
+    "small": BenchConfig(preset="small", episodes=64, turns=20, plain_turns=6, prompt_tokens=512, obs_tokens=384,
+                         new_tokens=192),
+    "a3b": BenchConfig(preset="a3b", episodes=32, turns=8, plain_turns=3, prompt_tokens=512, obs_tokens=384,
+                       new_tokens=160),
+}
+
+MODELS = {   # Qwen3MoeConfig kwargs
+    "toy": dict(vocab_size=2048, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                num_experts_per_tok=2),
+    "small": dict(vocab_size=32000, hidden_size=1024, intermediate_size=3072, moe_intermediate_size=512,
+                  num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_experts=32,
+                  num_experts_per_tok=4),
+    "a3b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                num_experts_per_tok=8, rope_theta=1e6),
+}
+
+
+def build_model(cfg: BenchConfig, device: str, dtype: torch.dtype):
+    """Random-weight Qwen3-MoE of the preset's shape, built directly on the device (no download)."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    mcfg = Qwen3MoeConfig(**MODELS[cfg.preset], max_position_embeddings=40960, tie_word_embeddings=False,
+                          norm_topk_prob=True, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    torch.manual_seed(cfg.seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(mcfg, dtype=dtype)
+    n = sum(p.numel() for p in model.parameters())
+    return model.eval(), n
+
+
+def sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+class _GreedyLogprobs:
+    """LogitsProcessor that records log_softmax(logits).max per row: the greedy token's temperature-1 log-prob."""
+
+    def __init__(self):
+        self.steps = []
+
+    def __call__(self, input_ids, scores):
+        self.steps.append(torch.log_softmax(scores.float(), dim=-1).max(dim=-1).values.cpu())   # (B,)
+        return scores
+
+
+@torch.no_grad()
+def plain_turn_batch(model, convs, budgets, stop_ids, cfg, device):
+    """The plain path: left-pad the full conversations, re-encode them with `generate`, cut rows at stop/budget."""
+    from transformers import LogitsProcessorList
+    L = max(map(len, convs))
+    inp = torch.tensor([[0] * (L - len(c)) + c for c in convs], device=device)                # (B, L)
+    att = torch.tensor([[0] * (L - len(c)) + [1] * len(c) for c in convs], device=device)     # (B, L)
+    rec = _GreedyLogprobs()
+    kw = dict(do_sample=False) if cfg.temperature <= 0 else dict(do_sample=True, temperature=cfg.temperature)
+    seq = model.generate(input_ids=inp, attention_mask=att, max_new_tokens=max(budgets), pad_token_id=0,
+                         eos_token_id=sorted(stop_ids), top_k=None, top_p=None,
+                         logits_processor=LogitsProcessorList([rec]) if cfg.temperature <= 0 else None, **kw)
+    gen = seq[:, L:].tolist()
+    lps = torch.stack(rec.steps, dim=1).tolist() if rec.steps else [[] for _ in convs]         # (B, T)
+    outs = []
+    for row, lp, b in zip(gen, lps, budgets):
+        row = row[:b]
+        n = next((i + 1 for i, t in enumerate(row) if t in stop_ids), len(row))
+        outs.append((row[:n], lp[:n]))
+    return outs
+
+
+def main(cfg: BenchConfig) -> int:
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+    dtype = (getattr(torch, cfg.dtype) if cfg.dtype != "auto"
+             else torch.bfloat16 if device == "cuda" else torch.float32)
+    t0 = time.time()
+    model, n_params = build_model(cfg, device, dtype)
+    V = model.config.vocab_size
+    rng = random.Random(cfg.seed)
+    stop_ids = {1} | {t for t in range(2, V) if rng.random() < cfg.stop_frac}
+    print(f"model {cfg.preset}: {n_params / 1e9:.2f}B params, {dtype}, {device}, built in {time.time() - t0:.0f}s "
+          f"(experts={model.get_experts_implementation()}, attn={model.config._attn_implementation})", flush=True)
+    toks = lambda n: [rng.randrange(2, V) for _ in range(n)]
+    obs = [[toks(cfg.prompt_tokens)] + [toks(rng.randint(cfg.obs_tokens // 2, cfg.obs_tokens))
+                                        for _ in range(cfg.turns - 1)] for _ in range(cfg.episodes)]
+    budgets = [[rng.randint(max(1, cfg.new_tokens // 2), cfg.new_tokens) for _ in range(cfg.turns)]
+               for _ in range(cfg.episodes)]
+    eng = Engine(model, None, max_batch=cfg.max_batch or cfg.episodes, max_new_tokens=cfg.new_tokens,
+                 temperature=cfg.temperature, seed=cfg.seed, stop_ids=stop_ids, experts=cfg.experts,
+                 cuda_graphs=cfg.cuda_graphs)
+
+    # warm-up (CUDA context, kernels, allocator) for both paths, then forget the warm-up episode
+    eng.step([("warmup", toks(16), 4)])
+    eng.release("warmup")
+    plain_turn_batch(model, [toks(16)], [4], stop_ids, cfg, device)
+    eng.stats = {k: 0 for k in eng.stats}
+
+    convs = [[] for _ in range(cfg.episodes)]
+    rows, same, total_cmp, max_dlp = [], 0, 0, 0.0
+    for t in range(cfg.turns):
+        for e in range(cfg.episodes):
+            convs[e] += obs[e][t]
+        ctx = sum(map(len, convs)) / cfg.episodes
+        row = dict(turn=t, mean_context=round(ctx, 1))
+        if t < cfg.plain_turns:
+            sync(device)
+            a = time.perf_counter()
+            plain = plain_turn_batch(model, convs, [b[t] for b in budgets], stop_ids, cfg, device)
+            sync(device)
+            row.update(plain_s=time.perf_counter() - a, plain_tokens=sum(len(p[0]) for p in plain))
+        sync(device)
+        a = time.perf_counter()
+        outs = eng.step([(e, obs[e][t], budgets[e][t]) for e in range(cfg.episodes)])
+        sync(device)
+        row.update(engine_s=time.perf_counter() - a, engine_tokens=sum(len(o[1]) for o in outs))
+        if t < cfg.plain_turns and cfg.temperature <= 0:      # token identity under greedy decoding
+            for (_, ids, lps, _), (pids, plps) in zip(outs, plain):
+                total_cmp += 1
+                same += ids == pids
+                k = next((i for i, (x, y) in enumerate(zip(ids, pids)) if x != y), min(len(ids), len(pids)))
+                k = min(k + 1, len(ids), len(pids))           # the first differing token's lp is still comparable
+                max_dlp = max([max_dlp] + [abs(x - y) for x, y in zip(lps[:k], plps[:k])])
+            row["identical_rows"] = sum(o[1] == p[0] for o, p in zip(outs, plain))
+        for e, (_, ids, _, _) in enumerate(outs):
+            convs[e] += ids
+        rows.append(row)
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+
+    k = min(cfg.plain_turns, cfg.turns)
+    tps = lambda rs, key: sum(r[f"{key}_tokens"] for r in rs) / max(1e-9, sum(r[f"{key}_s"] for r in rs))
+    res = dict(config=dataclasses.asdict(cfg), device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
+               params_b=n_params / 1e9, dtype=str(dtype), torch=torch.__version__,
+               transformers=__import__("transformers").__version__,
+               engine_tok_s=tps(rows, "engine"), engine_tok_s_first_k=tps(rows[:k], "engine") if k else None,
+               plain_tok_s_first_k=tps(rows[:k], "plain") if k else None, plain_turns_run=k,
+               identical_turns=f"{same}/{total_cmp}" if total_cmp else None,
+               max_abs_dlogprob=max_dlp if total_cmp else None,
+               engine_stats=eng.stats, engine_cuda_graphs=eng.cuda_graphs, graph_error=eng.graph_error, turns=rows)
+    if k:
+        res["speedup_first_k"] = res["engine_tok_s_first_k"] / max(1e-9, res["plain_tok_s_first_k"])
+    if device == "cuda":
+        res["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2 ** 30
+    if cfg.out:
+        with open(cfg.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+    print(f"\n### generate.Engine vs plain generate loop: {cfg.preset} "
+          f"({n_params / 1e9:.2f}B, {res['device']}, {dtype})")
+    print(f"{cfg.episodes} episodes x {cfg.turns} turns (plain: first {k}), obs <= {cfg.obs_tokens}, "
+          f"new <= {cfg.new_tokens}, max_batch {cfg.max_batch or cfg.episodes}, T={cfg.temperature}\n")
+    print("| turn | mean context | plain s | engine s | plain tok | engine tok | identical rows |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        plain_s = f"{r['plain_s']:.2f}" if "plain_s" in r else "-"
+        print(f"| {r['turn']} | {r['mean_context']:.0f} | {plain_s} | {r['engine_s']:.2f} | "
+              f"{r.get('plain_tokens', '-')} | {r['engine_tokens']} | {r.get('identical_rows', '-')} |")
+    print(f"\n| metric | value |\n|---|---:|")
+    if k:
+        print(f"| plain tok/s (turns 0..{k - 1}) | {res['plain_tok_s_first_k']:.1f} |")
+        print(f"| engine tok/s (turns 0..{k - 1}) | {res['engine_tok_s_first_k']:.1f} |")
+        print(f"| speedup (same turns; a lower bound for more turns) | {res['speedup_first_k']:.1f}x |")
+    print(f"| engine tok/s (all {cfg.turns} turns) | {res['engine_tok_s']:.1f} |")
+    print(f"| engine CUDA graphs | {eng.cuda_graphs} ({eng.stats.get('graph_replays', 0)} replays"
+          f"{'; off: ' + eng.graph_error if eng.graph_error else ''}) |")
+    if total_cmp:
+        print(f"| greedy identical turns | {same}/{total_cmp} |")
+        print(f"| max abs delta logprob (shared prefix) | {max_dlp:.3g} |")
+    return 0
+
+
+if __name__ == "__main__":
+    from cuda_agent import parse_config
+    sys.exit(main(parse_config(BenchConfig, sys.argv[1:], presets=PRESETS, prog="bench_generate.py")))

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: build, check and time what a session needs, in one go (the device lease is
+# short, so every GPU measurement in the README comes from a section of this script).
+#
+#   scripts/device_run.sh env gpu-tests sandbox      # pick sections; default: all, in the order below
+#
+# Sections: env, gpu-tests, sandbox, kb-baselines, kb-samples, synth, generate, generate-a3b, ppo, train-tiny.
+# Each section runs under its own time limit; logs go to $OUT/device.log, JSON results to $OUT/results.tgz.
+# KernelBench problem files are read from .carry/KernelBench (not committed: the user supplies a checkout).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/cuda_agent_out}
+RES=/tmp/cuda_agent_results
+mkdir -p "$OUT" "$RES"
+export PYTHONUNBUFFERED=1 CUDA_AGENT_CACHE=/tmp/cuda_agent_cache
+LOG="$OUT/device.log"
+KB=${KB:-.carry}   # a folder holding KernelBench/level{N}/
+
+# bubblewrap is not on the GPU image: unpack the carried Debian package (a single static-ish binary).
+if ! command -v bwrap >/dev/null 2>&1 && ls .carry/debs/bubblewrap*.deb >/dev/null 2>&1; then
+  dpkg -x .carry/debs/bubblewrap*.deb /tmp/bwrap_root && export PATH=/tmp/bwrap_root/usr/bin:$PATH
+fi
+
+section() {  # name, time limit (s), command...
+  local name=$1 limit=$2; shift 2
+  echo "=== [$name] $(date +%T) limit ${limit}s: $*" | tee -a "$LOG"
+  local t0=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" >>"$LOG" 2>&1
+  local rc=$?
+  echo "=== [$name] rc=$rc in $((SECONDS - t0))s" | tee -a "$LOG"
+  tail -n 25 "$LOG" | sed "s/^/[$name] /"
+}
+
+want() { [ ${#SECTIONS[@]} -eq 0 ] || [[ " ${SECTIONS[*]} " == *" $1 "* ]]; }
+SECTIONS=("$@")
+
+if want env; then
+  section env 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv;
+    python3 -c "import sys,torch,transformers,peft; print(sys.version.split()[0], torch.__version__, transformers.__version__, peft.__version__, torch.cuda.get_device_name(0), torch.cuda.device_count())";
+    nvcc --version | tail -1; which bwrap ncu compute-sanitizer; bwrap --version'
+fi
+if want gpu-tests; then
+  section gpu-tests 420 python3 -m pytest -q -m gpu --timeout 240 -p no:cacheprovider tests/
+fi
+if want sandbox; then
+  section sandbox 420 python3 scripts/bench_sandbox.py --device cuda --out "$RES/bench_sandbox.json"
+fi
+if want kb-baselines; then
+  section kb-baselines 420 python3 scripts/bench_kernelbench_baselines.py --kernelbench-dir "$KB" --level 1 \
+    --problems "${KB_PROBLEMS:-1,3,6,18,23,26,33,36,40,42,48,54,57,65,77,82,86,87}" --h100-dir .carry/h100 \
+    --cache-dir "$CUDA_AGENT_CACHE" --out "$RES/kb_baselines"
+fi
+if want kb-samples; then
+  section kb-samples 420 python3 kernelbench_eval.py --kernelbench-dir "$KB" --level 1,2 --samples-only \
+    --samples-dir scripts/kb_samples --device cuda --cache-dir "$CUDA_AGENT_CACHE" --out "$RES/kb_samples"
+fi
+if want synth; then
+  section synth 420 python3 scripts/bench_synth.py --device cuda --n-candidates 200 --out-dir "$RES/bench_synth"
+fi
+if want generate; then
+  section generate 300 python3 scripts/bench_generate.py --preset small --out "$RES/bench_generate_small.json"
+fi
+if want generate-a3b; then
+  section generate-a3b 420 python3 scripts/bench_generate.py --preset a3b --out "$RES/bench_generate_a3b.json"
+fi
+if want ppo; then
+  section ppo 480 python3 scripts/bench_ppo.py --device cuda --out "$RES/bench_ppo.json"
+fi
+if want train-tiny; then
+  section train-tiny 480 python3 cuda_agent.py train --device cuda --run-dir "$RES/train_tiny"
+fi
+
+tar -czf "$OUT/results.tgz" -C "$RES" . 2>/dev/null
+echo "=== done $(date +%T); results in results.tgz" | tee -a "$LOG"

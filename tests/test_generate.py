@@ -1,0 +1,225 @@
+"""generate.Engine against the plain path (re-encode the conversation every turn), on a tiny random MoE in fp32.
+
+Each test plays several multi-turn episodes with ragged prompt/observation lengths and per-episode budgets,
+with a large stop set so that episodes stop at different points, and checks one property.
+"""
+import random
+
+import pytest
+import torch
+
+from generate import Engine, episode_generator, plain_turn, sample_next
+
+try:
+    from policy import build_tiny_model_and_tokenizer
+except ImportError:   # policy.py not there yet: an equivalent tiny Qwen3-MoE, no tokenizer needed
+    build_tiny_model_and_tokenizer = None
+
+
+def _build():
+    if build_tiny_model_and_tokenizer is not None:
+        m, _ = build_tiny_model_and_tokenizer(seed=0)
+    else:
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+        torch.manual_seed(0)
+        m = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+            vocab_size=2048, hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+            max_position_embeddings=8192, tie_word_embeddings=False))
+    return m.float().eval()
+
+
+MODEL = _build()
+V = MODEL.config.vocab_size
+STOP = {t for t in range(V) if t % 13 == 0}      # ~8% of the vocabulary: rows stop at different steps
+
+
+@pytest.fixture(scope="module")
+def model():
+    return MODEL
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls: one thread is faster than many on a shared 2-core CI box (restored afterwards)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def make_script(n_eps, max_turns, seed=0):
+    """Per episode: prompt, then per turn (observation ids, max_new budget); episodes have 1..max_turns turns."""
+    rng = random.Random(seed)
+    tok = lambda n: [rng.randrange(1, V) for _ in range(n)]
+    return {e: [(tok(rng.randint(3, 60)) if t == 0 else tok(rng.randint(1, 25)), rng.randint(1, 12))
+                for t in range(rng.randint(1, max_turns))] for e in range(n_eps)}
+
+
+def run_engine(model, script, use_full=False, **kw):
+    """Drive the engine turn by turn over all episodes still running. Returns {eid: [(ids, lps, reason)]}."""
+    eng = Engine(model, None, stop_ids=STOP, **kw)
+    outs = {e: [] for e in script}
+    conv = {e: [] for e in script}
+    for t in range(max(map(len, script.values()))):
+        reqs = []
+        for e, turns in script.items():
+            if t < len(turns):
+                new, budget = turns[t]
+                conv[e] += new
+                reqs.append((e, list(conv[e]) if use_full else new, budget))
+        for e, ids, lps, why in (eng.step_full(reqs) if use_full else eng.step(reqs)):
+            outs[e].append((ids, lps, why))
+            conv[e] += ids
+    return outs, eng
+
+
+def run_plain(model, script, temperature=0.0, top_p=1.0, top_k=0, seed=0):
+    """Reference: every turn re-encodes the whole conversation (plain_turn), one episode at a time."""
+    outs = {}
+    for e, turns in script.items():
+        gen, conv, outs[e] = episode_generator(seed, e), [], []
+        for new, budget in turns:
+            conv += new
+            ids, lps, why = plain_turn(model, conv, budget, STOP, gen, temperature, top_p, top_k)
+            outs[e].append((ids, lps, why))
+            conv += ids
+    return outs
+
+
+def assert_same(a, b, tol=1e-4):
+    for e in b:
+        assert len(a[e]) == len(b[e]), e
+        for t, ((ia, la, ra), (ib, lb, rb)) in enumerate(zip(a[e], b[e])):
+            assert ia == ib and ra == rb, f"episode {e} turn {t}: {ia} {ra} != {ib} {rb}"
+            assert max(abs(x - y) for x, y in zip(la, lb)) < tol, f"episode {e} turn {t} logprobs"
+
+
+def test_greedy_matches_model_generate(model):
+    """Greedy engine tokens == transformers `generate` on the re-encoded conversation, turn by turn."""
+    script = make_script(6, 4, seed=1)
+    outs, eng = run_engine(model, script, max_batch=4, temperature=0.0)
+    reasons = {why for o in outs.values() for _, _, why in o}
+    assert reasons == {"stop", "length"}, reasons          # the script exercises both endings
+    assert eng.stats["admissions"] > 1                      # 6 episodes through 4 rows: someone joined later
+    for e, turns in script.items():
+        conv = []
+        for t, (new, budget) in enumerate(turns):
+            conv += new
+            with torch.no_grad():
+                seq = model.generate(torch.tensor([conv]), attention_mask=torch.ones(1, len(conv), dtype=torch.long),
+                                     do_sample=False, max_new_tokens=budget, eos_token_id=sorted(STOP),
+                                     pad_token_id=0)[0, len(conv):].tolist()
+            assert outs[e][t][0] == seq, f"episode {e} turn {t}"
+            conv += seq
+
+
+def test_greedy_matches_plain_logprobs(model):
+    """Same tokens and temperature-1 log-probs (to fp32 rounding) as the full-recompute reference."""
+    script = make_script(5, 5, seed=2)
+    assert_same(run_engine(model, script, max_batch=3, temperature=0.0)[0], run_plain(model, script))
+
+
+def test_sampling_matches_plain_and_is_batch_independent(model):
+    """Per-episode generators: sampled tokens equal the reference's whatever the batch composition."""
+    script = make_script(5, 4, seed=3)
+    kw = dict(temperature=0.9, top_p=0.95, top_k=100, seed=7)
+    ref = run_plain(model, script, **kw)
+    for max_batch in (1, 4):
+        assert_same(run_engine(model, script, max_batch=max_batch, **kw)[0], ref)
+
+
+def test_each_turn_prefills_only_new_tokens(model):
+    """Positions fed to the model per turn == len(new) + pending token + decode steps; never the conversation."""
+    fed = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, i, o: fed.append(i[0].numel()))
+    try:
+        eng = Engine(model, None, max_batch=1, max_new_tokens=8, temperature=0.0, stop_ids=STOP)
+        rng, conv = random.Random(4), []
+        for t in range(6):
+            new = [rng.randrange(1, V) for _ in range(40 if t == 0 else rng.randint(1, 30))]
+            fed.clear()
+            (_, ids, _, _), = eng.step([(0, new)])
+            pending = 1 if t > 0 else 0
+            assert fed[0] == len(new) + pending, (t, fed[0], len(new))         # the prefill
+            assert fed[1:] == [1] * (len(ids) - 1)                               # the decode steps
+            assert sum(fed) < len(conv) + len(new) or t == 0                     # less than re-encoding
+            conv += new + ids
+            assert eng.fed[0] == len(conv) - 1 == len(eng.history(0)) - 1       # every token fed exactly once
+    finally:
+        hook.remove()
+
+
+def test_prefill_counts_many_episodes(model):
+    """Across a ragged batch, the engine's real prefill tokens per turn are sum(len(new) + 1)."""
+    script = make_script(7, 4, seed=5)
+    eng = Engine(model, None, max_batch=3, temperature=0.0, stop_ids=STOP)
+    for t in range(max(map(len, script.values()))):
+        reqs = [(e, turns[t][0], turns[t][1]) for e, turns in script.items() if t < len(turns)]
+        before = eng.stats["prefill_tokens"]
+        eng.step(reqs)
+        assert eng.stats["prefill_tokens"] - before == sum(len(n) + (t > 0) for _, n, _ in reqs)
+        for e, _, _ in reqs:
+            assert eng.fed[e] == len(eng.history(e)) - 1
+
+
+def test_continuous_batching_equals_unbatched(model):
+    """More episodes than rows: all finish, mid-turn joins and compactions happen, outputs == max_batch 1."""
+    script = make_script(9, 3, seed=6)
+    kw = dict(temperature=0.7, seed=3)
+    batched, eng = run_engine(model, script, max_batch=2, **kw)
+    assert eng.stats["admissions"] >= 5 and eng.stats["compactions"] >= 3, eng.stats
+    assert all(len(batched[e]) == len(script[e]) for e in script)
+    assert_same(batched, run_engine(model, script, max_batch=1, **kw)[0])
+    assert eng.stats["decode_positions"] >= eng.stats["decode_tokens"]
+    static, eng = run_engine(model, script, max_batch=3, static_batch=True, **kw)   # the CUDA-graph layout
+    assert_same(static, batched)
+    assert eng.stats["decode_positions"] % 3 == 0
+
+
+@pytest.mark.gpu
+def test_cuda_graph_decode_matches_eager():
+    """On CUDA: graph-replayed decode gives the eager engine's tokens (same batch layout) and really replays."""
+    m = _build().to("cuda", torch.bfloat16)      # bf16: the grouped_mm experts path (fp32 falls back to a loop)
+    script = make_script(6, 3, seed=9)
+    eager, _ = run_engine(m, script, max_batch=4, temperature=0.0, static_batch=True)   # same rows, same kernels
+    graph, eng = run_engine(m, script, max_batch=4, temperature=0.0, cuda_graphs=True)
+    assert eng.graph_error is None, eng.graph_error
+    assert eng.stats.get("graph_replays", 0) > 0, eng.stats
+    assert_same(graph, eager, tol=1e-3)
+
+
+def test_step_full_and_rewind(model):
+    """step_full feeds only the suffix; an edited earlier token rewinds the cache to the common prefix."""
+    script = make_script(4, 3, seed=8)
+    outs_full, eng = run_engine(model, script, use_full=True, max_batch=2, temperature=0.0)
+    assert_same(outs_full, run_plain(model, script))
+    assert eng.stats["rewinds"] == 0
+    e = 0
+    hist = eng.history(e)
+    edited = hist[:5] + [(hist[5] + 1) % V or 1] + hist[6:] + [17, 18]
+    before = eng.stats["prefill_tokens"]
+    (_, ids, _, _), = eng.step_full([(e, edited, 6)])
+    assert eng.stats["rewinds"] == 1 and eng.stats["prefill_tokens"] - before == len(edited) - 5
+    ref, _, _ = plain_turn(model, edited, 6, STOP, torch.Generator(), temperature=0.0)
+    assert ids == ref
+
+
+def test_peft_lora_model(model):
+    """A peft-wrapped model (what training samples from): same tokens as the plain path through PeftModel."""
+    peft = pytest.importorskip("peft")
+    pm = peft.get_peft_model(_build(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                       init_lora_weights=False)).eval()   # a non-zero adapter
+    script = make_script(3, 2, seed=11)
+    assert_same(run_engine(pm, script, max_batch=2, temperature=0.0)[0], run_plain(pm, script))
+
+
+def test_sample_next_filters():
+    """top-k 1 is greedy; top-p keeps the smallest set reaching p; log-probs are at temperature 1."""
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        ids, lp = sample_next(logits, [g], temperature=1.0, top_k=1)
+        assert ids.item() == 1 and abs(lp.item() - torch.log_softmax(logits, -1)[0, 1].item()) < 1e-6
+        ids, _ = sample_next(logits, [g], temperature=1.0, top_p=0.7)   # p(1)=.64, p(3)=.24: keeps {1, 3}
+        assert ids.item() in (1, 3)
