@@ -1,0 +1,494 @@
+"""Policies that drive the agent loop: local transformers model, OpenAI-compatible endpoint, replay; the
+tool-call parser; the tiny MoE + local tokenizer for tests; the real checkpoint loader.
+
+What it does
+  * The Policy interface (defined in env.py, re-exported here; env.py never imports this module). A policy
+    is any object with one method
+        act(states: list[EpisodeState]) -> list[Action]
+    called once per turn on all active episodes (issue 3 §6), and optionally release(episode_id). An
+    EpisodeState carries the episode id (stable across turns), the chat messages so far (OpenAI chat
+    format, `tool_calls` and the `tool` role included), the tool schemas and the episode's tokenisation
+    cache. An Action carries the assistant text, the parsed tool calls (OpenAI format: {"id", "type":
+    "function", "function": {"name", "arguments": <JSON string>}}), one error string per malformed call,
+    and, for local policies, the sampled token ids (end-of-turn token included) and their log-probs, plus
+    finish_reason "stop" | "length" and the context length in tokens (for the episode's token budget).
+  * HFPolicy (local causal LM + optional peft adapter; what training uses): prompts are
+    env.tokenize_conversation(messages, tools, tok, add_generation_prompt=True), i.e. template segments
+    plus the earlier turns' sampled ids, so every prompt extends the previous prompt plus what was
+    sampled: the record re-tokenises exactly, and a KV cache can be carried across turns (`engine=`,
+    generate.Engine, issue 7). Without an engine: one batched `model.generate` per turn.
+  * OpenAIPolicy: any /v1/chat/completions endpoint (vLLM, SGLang, hosted APIs) over urllib, sending the
+    tool schemas, parsing `tool_calls` (or inline <tool_call> markup when the server has no tool parser),
+    retrying with exponential backoff, API key from an environment variable.
+  * ReplayPolicy: plays back scripted or recorded assistant messages (tests, demos).
+  * parse_tool_calls: both Qwen3 formats, JSON inside <tool_call>...</tool_call> (Qwen2.5 / Qwen3) and
+    <tool_call><function=NAME><parameter=K>V</parameter></function></tool_call> (Qwen3-Coder). Trailing
+    text, several calls and garbage are tolerated; each malformed call becomes one error string.
+  * build_tiny_model_and_tokenizer(): a random ~0.7M-parameter Qwen3-MoE and a byte-level BPE tokenizer
+    trained on a fixed in-file corpus in well under a second, with a Qwen3-style tool chat template and
+    <|im_start|>, <|im_end|>, <tool_call>, </tool_call> as single tokens. No downloads.
+  * load_policy_model(): a real checkpoint + optional adapter (transformers 5 `dtype=`, peft).
+
+Departures from the paper
+  1. The paper's rollout engine is not published; we sample with the training-side model itself
+     (`model.generate`, or generate.Engine). Plain-path log-probs are log_softmax(logits / temperature)
+     of the sampled tokens before top-k/top-p filtering (generate.Engine documents its own); PPO
+     recomputes log-probs on the training side anyway (the paper traced a collapse to a train/inference
+     precision mismatch, §3.3).
+  2. The tiny tokenizer is trained on a small fixed corpus, not a real model's vocabulary: the tiny model
+     exists for tests and smoke runs only.
+
+Smoke: python -m pytest -q tests/test_policy.py
+Full:  python cuda_agent.py solve TASK --policy openai --model NAME --endpoint http://host:8000/v1
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import re
+import time
+import urllib.error
+import urllib.request
+
+# The interface types and the token bookkeeping live in env.py (the trajectory format is the env's);
+# re-exported here so trainers can say policy.tokenize_conversation.
+from env import Action, EpisodeState, Policy, end_of_turn, render, tokenize_conversation  # noqa: F401
+
+# --------------------------------------------------------------------------------------------------
+# Tool-call parsing
+# --------------------------------------------------------------------------------------------------
+
+_BLOCK = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.S)
+_FUNC = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.S)
+_PARAM = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.S)
+
+
+def _param_types(tools: list[dict] | None) -> dict[str, dict[str, str]]:
+    out = {}
+    for t in tools or []:
+        f = t.get("function", t)
+        out[f.get("name", "")] = {k: v.get("type", "string")
+                                  for k, v in f.get("parameters", {}).get("properties", {}).items()}
+    return out
+
+
+def _parse_xml_call(body: str, types: dict) -> dict:
+    """Qwen3-Coder: <function=NAME><parameter=K>\nV\n</parameter>...</function>."""
+    m = _FUNC.search(body)
+    if not m:
+        raise ValueError("no <function=NAME> inside <tool_call>")
+    name, args = m.group(1).strip(), {}
+    for k, v in _PARAM.findall(m.group(2)):
+        v = v[1:] if v.startswith("\n") else v
+        v = v[:-1] if v.endswith("\n") else v
+        if types.get(name, {}).get(k.strip(), "string") != "string":
+            try:
+                v = json.loads(v)
+            except json.JSONDecodeError:
+                pass  # keep the string; the env validates argument types
+        args[k.strip()] = v
+    return {"name": name, "arguments": args}
+
+
+def _parse_json_call(body: str) -> dict:
+    """Qwen2.5/Qwen3: {"name": ..., "arguments": {...}}; trailing text after the object is ignored."""
+    start = body.find("{")
+    if start < 0:
+        raise ValueError("no JSON object inside <tool_call>")
+    obj, _ = json.JSONDecoder().raw_decode(body[start:])
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        raise ValueError('tool call JSON needs a string "name"')
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        args = json.loads(args) if args.strip() else {}
+    if not isinstance(args, dict):
+        raise ValueError('tool call "arguments" must be a JSON object')
+    return {"name": obj["name"], "arguments": args}
+
+
+def parse_tool_calls(text: str, tools: list[dict] | None = None, id_prefix: str = "call"
+                     ) -> tuple[str, list[dict], list[str]]:
+    """Split assistant text into (content, tool_calls, errors). Never raises.
+
+    content keeps everything except well-formed call blocks; tool_calls are OpenAI-format dicts.
+    """
+    types, calls, errors, content, pos = _param_types(tools), [], [], [], 0
+    for m in _BLOCK.finditer(text):
+        body, closed = m.group(1), bool(m.group(2))
+        try:
+            if not closed:
+                raise ValueError("unterminated <tool_call> (missing </tool_call>)")
+            call = _parse_xml_call(body, types) if "<function=" in body else _parse_json_call(body)
+            content.append(text[pos:m.start()])
+            calls.append({"id": f"{id_prefix}_{len(calls)}", "type": "function",
+                          "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}})
+        except (ValueError, json.JSONDecodeError) as e:
+            content.append(text[pos:m.end()])
+            errors.append(f"malformed tool call: {str(e).splitlines()[0][:200]}")
+        pos = m.end()
+    content.append(text[pos:])
+    stray = text.count("</tool_call>") - sum(1 for m in _BLOCK.finditer(text) if m.group(2))
+    if stray > 0:
+        errors.append("malformed tool call: </tool_call> without a matching <tool_call>")
+    return "".join(content).strip(), calls, errors
+
+
+# --------------------------------------------------------------------------------------------------
+# Tiny model + local tokenizer (tests, smoke runs) and the real loader
+# --------------------------------------------------------------------------------------------------
+
+# A Qwen3-style tool template (our own wording). Tool calls are JSON in <tool_call> blocks; tool results
+# go back in a user turn inside <tool_response> blocks, consecutive results sharing one turn.
+TINY_CHAT_TEMPLATE = r"""
+{%- if tools %}
+{{- '<|im_start|>system\n' }}
+{%- if messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}
+{{- '# Tools\n\nCall functions by writing JSON inside <tool_call></tool_call> tags. Available functions:\n<tools>' }}
+{%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}
+{{- '\n</tools>\n\nFormat:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n' }}
+{%- elif messages[0].role == 'system' %}
+{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
+{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+{%- elif message.role == 'assistant' %}
+{{- '<|im_start|>assistant\n' + (message.content or '') }}
+{%- for tc in (message.tool_calls or []) %}
+{%- set f = tc.function if tc.function is defined else tc %}
+{%- if loop.first and message.content %}{{- '\n' }}{%- elif not loop.first %}{{- '\n' }}{%- endif %}
+{{- '<tool_call>\n{"name": "' + f.name + '", "arguments": ' }}
+{%- if f.arguments is string %}{{- f.arguments }}{%- else %}{{- f.arguments | tojson }}{%- endif %}
+{{- '}\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\n' }}
+{%- elif message.role == 'tool' %}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+{{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
+"""
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+
+
+# A fixed corpus (not the repo's files, which change from commit to commit): the tiny tokenizer, and so
+# every recorded token id, is the same on every machine and at every commit.
+TINY_CORPUS = [
+    'import torch\nimport torch.nn as nn\n\n\nclass Model(nn.Module):\n    def __init__(self, dim):\n'
+    '        super().__init__()\n        self.linear = nn.Linear(dim, dim)\n\n    def forward(self, x):\n'
+    '        return torch.relu(self.linear(x)) * 2.0 + 1.0\n\n\ndef get_inputs():\n'
+    '    return [torch.randn(128, 512)]\n\n\ndef get_init_inputs():\n    return [512]\n',
+    'import ctypes\n\nimport torch\nimport torch.nn as nn\nfrom sandbox_worker import load_kernel, ptr, stream\n\n'
+    'lib = load_kernel("relu")\nlib.relu_forward.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, '
+    'ctypes.c_void_p]\n\n\nclass ModelNew(nn.Module):\n    def forward(self, x):\n'
+    '        y = torch.empty_like(x)\n        lib.relu_forward(ptr(x), ptr(y), x.numel(), stream())\n'
+    '        return y\n',
+    'extern "C" void relu_forward(const float* x, float* y, long n, void* stream) {\n#pragma omp parallel for\n'
+    '    for (long i = 0; i < n; ++i) y[i] = x[i] > 0.f ? x[i] : 0.f;\n}\n',
+    '#include <cuda_runtime.h>\n\n__global__ void scale_kernel(const float* __restrict__ x, float* __restrict__ y, '
+    'long n) {\n    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;\n    if (i < n) y[i] = x[i] * 2.0f + 1.0f;\n'
+    '}\n\nextern "C" void scale(const float* x, float* y, long n, void* stream) {\n    int threads = 256;\n'
+    '    int blocks = (int)((n + threads - 1) / threads);\n    scale_kernel<<<blocks, threads, 0, '
+    '(cudaStream_t)stream>>>(x, y, n);\n}\n',
+    '<tool_call>\n{"name": "write_file", "arguments": {"path": "kernels/relu.cu", "content": "..."}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "compile", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "verify", '
+    '"arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "profile", "arguments": {}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "bash", "arguments": {"command": "ls kernels"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "finish", "arguments": {}}\n</tool_call>\n',
+    '<tool_response>\ncorrect: True (5/5 trials passed, precision tf32)\ndevice NVIDIA H200: eager 1.20 ms | '
+    'torch.compile 0.95 ms | ModelNew 0.41 ms\nspeedup vs eager 2.9x, vs torch.compile 2.3x\n</tool_response>\n',
+    'The kernel reads the input once, writes the output once, and keeps the arithmetic in registers. '
+    'First I will read model.py and the instructions, then write the kernel, compile it, verify the '
+    'results against the reference, and profile it against eager PyTorch and torch.compile.\n',
+    TINY_CHAT_TEMPLATE,
+]
+
+
+def build_tiny_tokenizer(vocab_size: int = 2048, corpus: list[str] | None = None):
+    """Byte-level BPE trained on TINY_CORPUS (< 1 s), wrapped as a PreTrainedTokenizerFast."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    corpus = corpus if corpus is not None else TINY_CORPUS * 4
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS + TOOL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus, trainer=trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                 additional_special_tokens=SPECIAL_TOKENS[1:] + TOOL_TOKENS)
+    hf.chat_template = TINY_CHAT_TEMPLATE
+    for t in SPECIAL_TOKENS + TOOL_TOKENS:
+        assert len(hf.encode(t, add_special_tokens=False)) == 1, f"{t} must be a single token"
+    return hf
+
+
+def build_tiny_model_and_tokenizer(seed: int = 0, vocab_size: int = 2048, hidden_size: int = 128,
+                                   num_layers: int = 2, num_experts: int = 4, top_k: int = 2,
+                                   max_positions: int = 8192):
+    """A random Qwen3-MoE (about 1M params at the defaults) and a local tokenizer. Returns (model, tok)."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    tok = build_tiny_tokenizer(vocab_size)
+    cfg = Qwen3MoeConfig(vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                         moe_intermediate_size=hidden_size, num_hidden_layers=num_layers,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=hidden_size // 4,
+                         num_experts=num_experts, num_experts_per_tok=top_k, norm_topk_prob=True,
+                         max_position_embeddings=max_positions, tie_word_embeddings=False,
+                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(cfg).eval()
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    return model, tok
+
+
+def load_policy_model(name_or_path: str, adapter: str | None = None, dtype: str = "bfloat16",
+                      device: str = "cuda", trainable_adapter: bool = False):
+    """A real checkpoint (local dir or hub id already in the cache) + optional peft adapter. (model, tok)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(name_or_path)
+    assert tok.chat_template, f"{name_or_path} has no chat template; tools need one"
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=getattr(torch, dtype), device_map=device)
+    if adapter:
+        from peft import PeftModel
+        model = PeftModel.from_pretrained(model, adapter, is_trainable=trainable_adapter)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return model.eval(), tok
+
+
+# --------------------------------------------------------------------------------------------------
+# (a) local transformers policy
+# --------------------------------------------------------------------------------------------------
+
+
+class HFPolicy:
+    """Batched sampling from a local causal LM, one batched call per turn over all active episodes.
+
+    Plain path: `model.generate` on the left-padded prompts (re-encodes each conversation every turn).
+    engine: a generate.Engine (or any object with its `step_full` / `release`): the prompts go to
+    `engine.step_full([(episode_id, prompt_ids)])`, which feeds only the tokens after what the episode
+    already has in its KV cache and keeps the batch full (issue 7). Prompts are built the same way on
+    both paths (tokenize_conversation), so the records are identical in format.
+    """
+
+    def __init__(self, model, tokenizer, max_new_tokens: int = 1024, temperature: float = 1.0,
+                 top_p: float = 1.0, top_k: int = 0, seed: int = 0, engine=None):
+        self.model, self.tok, self.engine = model, tokenizer, engine
+        self.max_new_tokens, self.temperature, self.top_p, self.top_k = max_new_tokens, temperature, top_p, top_k
+        self.seed, self.calls = seed, 0
+        self.eot_id = tokenizer.convert_tokens_to_ids(end_of_turn(tokenizer))
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eot_id
+
+    def prompt_ids(self, s: EpisodeState) -> list[int]:
+        return tokenize_conversation(s.messages, s.tools, self.tok, add_generation_prompt=True, cache=s.cache)[0]
+
+    def release(self, episode_id: int) -> None:
+        """The episode ended: free its KV cache (engine path). env.run_episodes calls this."""
+        if self.engine is not None:
+            self.engine.release(episode_id)
+
+    def _sample_plain(self, prompts: list[list[int]]) -> list[tuple[list[int], list[float], str]]:
+        import torch
+        dev = next(self.model.parameters()).device
+        L = max(map(len, prompts))
+        inp = torch.tensor([[self.pad_id] * (L - len(p)) + p for p in prompts], device=dev)   # (B, L) left-padded
+        att = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts], device=dev)  # (B, L)
+        torch.manual_seed(self.seed + self.calls)   # reproducible sampling, one seed per turn
+        with torch.no_grad():
+            out = self.model.generate(input_ids=inp, attention_mask=att, do_sample=self.temperature > 0,
+                                      temperature=self.temperature or None, top_p=self.top_p,
+                                      top_k=self.top_k, max_new_tokens=self.max_new_tokens,
+                                      eos_token_id=self.eot_id, pad_token_id=self.pad_id,
+                                      return_dict_in_generate=True, output_logits=True)
+        gen = out.sequences[:, L:]                                                  # (B, T)
+        logits = torch.stack(out.logits, dim=1).float()                             # (B, T, V)
+        lp = torch.log_softmax(logits / (self.temperature or 1.0), dim=-1)
+        lp = lp.gather(-1, gen.unsqueeze(-1)).squeeze(-1)                           # (B, T)
+        res = []
+        for b in range(len(prompts)):
+            row = gen[b].tolist()
+            n = row.index(self.eot_id) + 1 if self.eot_id in row else len(row)
+            res.append((row[:n], lp[b, :n].tolist(), "stop" if self.eot_id in row else "length"))
+        return res
+
+    def act(self, states: list[EpisodeState]) -> list[Action]:
+        if not states:
+            return []
+        prompts = [self.prompt_ids(s) for s in states]
+        if self.engine is not None:
+            out = self.engine.step_full([(s.episode_id, p) for s, p in zip(states, prompts)])
+            res = [(ids, lps, "stop" if reason == "stop" else "length") for _, ids, lps, reason in out]
+        else:
+            res = self._sample_plain(prompts)
+        self.calls += 1
+        actions = []
+        for s, p, (ids, lps, reason) in zip(states, prompts, res):
+            text = self.tok.decode(ids[:-1] if reason == "stop" else ids, skip_special_tokens=False)
+            content, calls, errs = parse_tool_calls(text, s.tools, id_prefix=f"call_{s.episode_id}_{self.calls}")
+            actions.append(Action(text=text, content=content, tool_calls=calls, errors=errs, token_ids=list(ids),
+                                  logprobs=list(lps), finish_reason=reason, n_context=len(p) + len(ids)))
+        return actions
+
+
+# --------------------------------------------------------------------------------------------------
+# (b) OpenAI-compatible endpoint
+# --------------------------------------------------------------------------------------------------
+
+
+class OpenAIPolicy:
+    """POST {endpoint}/chat/completions with the tool schemas; parses `tool_calls` (or inline markup)."""
+
+    def __init__(self, model: str, endpoint: str = "http://127.0.0.1:8000/v1", api_key_env: str = "OPENAI_API_KEY",
+                 max_tokens: int = 4096, temperature: float = 0.7, retries: int = 4, backoff_s: float = 1.0,
+                 timeout_s: float = 600, concurrency: int = 16):
+        self.model, self.url = model, endpoint.rstrip("/") + "/chat/completions"
+        self.api_key = os.environ.get(api_key_env, "")
+        self.max_tokens, self.temperature = max_tokens, temperature
+        self.retries, self.backoff_s, self.timeout_s, self.concurrency = retries, backoff_s, timeout_s, concurrency
+
+    def _post(self, body: dict) -> dict:
+        data = json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        err = ""
+        for attempt in range(self.retries + 1):
+            try:
+                req = urllib.request.Request(self.url, data=data, headers=headers, method="POST")
+                with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
+                    return json.loads(r.read().decode())
+            except urllib.error.HTTPError as e:
+                err = f"HTTP {e.code}: {e.read()[:300].decode(errors='replace')}"
+                if e.code not in (408, 409, 429) and e.code < 500:
+                    break                   # a client error will not fix itself
+            except (urllib.error.URLError, TimeoutError, ConnectionError, json.JSONDecodeError) as e:
+                err = f"{type(e).__name__}: {e}"
+            if attempt < self.retries:
+                time.sleep(self.backoff_s * 2 ** attempt)
+        raise RuntimeError(f"chat endpoint {self.url} failed after {self.retries + 1} tries: {err}")
+
+    @staticmethod
+    def _clean(m: dict) -> dict:
+        """Only the standard chat keys (endpoints reject unknown ones)."""
+        return {k: v for k, v in m.items() if k in ("role", "content", "tool_calls", "tool_call_id", "name")}
+
+    def _one(self, s: EpisodeState) -> Action:
+        body = {"model": self.model, "messages": [self._clean(m) for m in s.messages],
+                "max_tokens": self.max_tokens, "temperature": self.temperature}
+        if s.tools:
+            body["tools"] = s.tools
+        try:
+            resp = self._post(body)
+            choice = resp["choices"][0]
+            msg = choice.get("message") or {}
+        except (RuntimeError, KeyError, IndexError, TypeError) as e:
+            # the episode sees the failure as an empty turn with an error; the run goes on
+            return Action(text="", errors=[f"policy endpoint error: {str(e)[:300]}"], finish_reason="stop")
+        text = msg.get("content") or ""
+        calls, errors = [], []
+        for i, tc in enumerate(msg.get("tool_calls") or []):
+            f = tc.get("function", {})
+            args = f.get("arguments", "{}")
+            try:
+                parsed = json.loads(args) if isinstance(args, str) else args
+                assert isinstance(parsed, dict), "arguments must be a JSON object"
+                calls.append({"id": tc.get("id") or f"call_{s.episode_id}_{i}", "type": "function",
+                              "function": {"name": f.get("name", ""), "arguments": json.dumps(parsed)}})
+            except (json.JSONDecodeError, AssertionError) as e:
+                errors.append(f"malformed tool call arguments for {f.get('name')!r}: {e}")
+        content = text
+        if not calls and "<tool_call>" in text:   # server without a tool parser: parse the markup ourselves
+            content, calls, errors = parse_tool_calls(text, s.tools, id_prefix=f"call_{s.episode_id}")
+        usage = resp.get("usage") or {}
+        return Action(text=text, content=content, tool_calls=calls, errors=errors,
+                      finish_reason="length" if choice.get("finish_reason") == "length" else "stop",
+                      n_context=usage.get("total_tokens"))
+
+    def act(self, states: list[EpisodeState]) -> list[Action]:
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(self.concurrency, len(states)))) as ex:
+            return list(ex.map(self._one, states))
+
+
+# --------------------------------------------------------------------------------------------------
+# (c) replay
+# --------------------------------------------------------------------------------------------------
+
+
+def _action_from_message(m: dict, tools: list[dict] | None, tag: str) -> Action:
+    """A scripted assistant message: {"content": str, "tool_calls": [...]} or raw text with markup."""
+    text = m.get("content") or ""
+    if m.get("tool_calls"):
+        calls = [{"id": tc.get("id") or f"{tag}_{i}", "type": "function",
+                  "function": {"name": tc["function"]["name"],
+                               "arguments": tc["function"]["arguments"] if isinstance(tc["function"]["arguments"], str)
+                               else json.dumps(tc["function"]["arguments"])}}
+                 for i, tc in enumerate(m["tool_calls"])]
+        return Action(text=text, content=text, tool_calls=calls, token_ids=m.get("token_ids"))
+    content, calls, errors = parse_tool_calls(text, tools, id_prefix=tag)
+    return Action(text=text, content=content, tool_calls=calls, errors=errors, token_ids=m.get("token_ids"))
+
+
+class ReplayPolicy:
+    """Plays back assistant messages: one script for every episode, or {episode_id: script}.
+
+    A script is a list of assistant messages (dicts with "content" and optional "tool_calls", or plain
+    strings holding tool-call markup), or a path to a trajectory JSONL (its first record's assistant
+    messages). When a script runs out the policy calls `finish`, so episodes always end.
+    """
+
+    def __init__(self, script: list | dict | str):
+        if isinstance(script, str):
+            with open(script) as f:
+                rec = json.loads(f.readline())
+            script = [m for m in rec["messages"] if m["role"] == "assistant"]
+        self.script = script
+        self.turn: dict[int, int] = {}
+
+    def act(self, states: list[EpisodeState]) -> list[Action]:
+        out = []
+        for s in states:
+            seq = self.script[s.episode_id] if isinstance(self.script, dict) else self.script
+            i = self.turn.get(s.episode_id, 0)
+            self.turn[s.episode_id] = i + 1
+            tag = f"call_{s.episode_id}_{i}"
+            if i >= len(seq):
+                out.append(Action(text="", tool_calls=[{"id": tag, "type": "function",
+                                                        "function": {"name": "finish", "arguments": "{}"}}]))
+                continue
+            m = seq[i] if isinstance(seq[i], dict) else {"content": seq[i]}
+            out.append(_action_from_message(m, s.tools, tag))
+        return out
+
+
+def make_policy(kind: str, model: str | None = None, adapter: str | None = None,
+                endpoint: str = "http://127.0.0.1:8000/v1", api_key_env: str = "OPENAI_API_KEY",
+                script: str | None = None, device: str = "cpu", max_new_tokens: int = 4096,
+                temperature: float = 0.7, seed: int = 0):
+    """A policy from CLI-style settings: kind "replay" | "hf" | "openai" (see env.SolveConfig)."""
+    if kind == "replay":
+        assert script, "--policy replay needs --script (a trajectory JSONL or a JSON list of messages)"
+        if script.endswith(".jsonl"):
+            return ReplayPolicy(script)
+        with open(script) as f:
+            return ReplayPolicy(json.load(f))
+    if kind == "hf":
+        assert model, "--policy hf needs --model (a checkpoint path, or 'tiny')"
+        if model == "tiny":
+            m, tok = build_tiny_model_and_tokenizer(seed=seed)
+        else:
+            m, tok = load_policy_model(model, adapter=adapter, device=device if device == "cuda" else "cpu",
+                                       dtype="bfloat16" if device == "cuda" else "float32")
+        return HFPolicy(m, tok, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    if kind == "openai":
+        assert model, "--policy openai needs --model (the served model name)"
+        return OpenAIPolicy(model, endpoint=endpoint, api_key_env=api_key_env, max_tokens=max_new_tokens,
+                            temperature=temperature)
+    raise ValueError(f"unknown policy kind {kind!r}: replay | hf | openai")
