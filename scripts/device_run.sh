@@ -67,7 +67,7 @@ if want ppo; then
   section ppo 480 python3 scripts/bench_ppo.py --device cuda --out "$RES/bench_ppo.json"
 fi
 if want train-tiny; then
-  section train-tiny 480 python3 cuda_agent.py train --device cuda --run-dir "$RES/train_tiny"
+  section train-tiny 480 python3 cuda_agent.py train --device cuda --sandbox-device cuda --run-dir "$RES/train_tiny"
 fi
 
 tar -czf "$OUT/results.tgz" -C "$RES" . 2>/dev/null
