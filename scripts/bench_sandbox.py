@@ -1,0 +1,181 @@
+"""Sandbox benchmark (issue 2): rebuild time after a one-kernel edit vs load_inline, checks per minute with
+cached baselines, and the spread (coefficient of variation) of repeated timings of one kernel.
+
+GPU (H200): python scripts/bench_sandbox.py --device cuda --out $OUT/bench_sandbox.json
+CPU smoke:  python scripts/bench_sandbox.py --device cpu --edits 3 --checks 3 --repeats 3 --skip-load-inline
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import sandbox  # noqa: E402
+
+TASK = textwrap.dedent("""
+    import torch
+    import torch.nn as nn
+    class Model(nn.Module):  # KernelBench level 1 sized elementwise op
+        def __init__(self):
+            super().__init__()
+        def forward(self, x):
+            return torch.relu(x)
+    def get_inputs():
+        return [torch.randn({rows}, {cols})]
+    def get_init_inputs():
+        return []
+""")
+CU = r"""
+__global__ void relu_k(const float* x, float* y, long n) {
+    long i = blockIdx.x * (long)blockDim.x + threadIdx.x;
+    if (i < n) y[i] = x[i] > 0.f ? x[i] : 0.f;
+}
+extern "C" void relu_forward(const float* x, float* y, long n, void* s) {
+    relu_k<<<(n + 255) / 256, 256, 0, (cudaStream_t)s>>>(x, y, n);
+}
+"""
+CPP = r"""
+extern "C" void relu_forward(const float* x, float* y, long n, void* s) {
+#pragma omp parallel for
+    for (long i = 0; i < n; ++i) y[i] = x[i] > 0.f ? x[i] : 0.f;
+}
+"""
+MODEL_NEW = textwrap.dedent("""
+    import ctypes
+    import torch
+    import torch.nn as nn
+    from sandbox_worker import load_kernel, ptr, stream
+    lib = load_kernel("relu")
+    lib.relu_forward.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
+    class ModelNew(nn.Module):
+        def __init__(self):
+            super().__init__()
+        def forward(self, x):
+            y = torch.empty_like(x)
+            lib.relu_forward(ptr(x), ptr(y), x.numel(), stream())
+            return y
+""")
+LOAD_INLINE = """import time
+from torch.utils.cpp_extension import load_inline
+t = time.perf_counter()
+{call}
+print(time.perf_counter() - t)
+"""
+CU_BIND = CU.replace('extern "C" void relu_forward(const float* x, float* y, long n, void* s) {\n    relu_k<<<(n + 255) / 256, 256, 0, (cudaStream_t)s>>>(x, y, n);',
+                     '#include <torch/extension.h>\nvoid relu_forward(torch::Tensor x, torch::Tensor y) {\n    long n = x.numel();\n    relu_k<<<(n + 255) / 256, 256>>>(x.data_ptr<float>(), y.data_ptr<float>(), n);')
+CPP_BIND = ('#include <torch/extension.h>\nvoid relu_forward(torch::Tensor x, torch::Tensor y) {\n'
+            '    float* a = x.data_ptr<float>(); float* b = y.data_ptr<float>(); long n = x.numel();\n'
+            '#pragma omp parallel for\n    for (long i = 0; i < n; ++i) b[i] = a[i] > 0.f ? a[i] : 0.f;\n}\n')
+
+
+def make_ws(root: str, device: str) -> str:
+    ws = os.path.join(root, "ws")
+    os.makedirs(os.path.join(ws, "kernels"))
+    ext = ".cu" if device == "cuda" else ".cpp"
+    for name in ("relu", "other"):  # two kernels: an edit to one must rebuild only that one
+        with open(os.path.join(ws, "kernels", name + ext), "w") as f:
+            f.write((CU if device == "cuda" else CPP).replace("relu_forward", f"{name}_forward"))
+    with open(os.path.join(ws, "model_new.py"), "w") as f:
+        f.write(MODEL_NEW)
+    return ws
+
+
+def bench_rebuild(ws: str, cfg, edits: int) -> list[float]:
+    ext = ".cu" if cfg.device == "cuda" else ".cpp"
+    path = os.path.join(ws, "kernels", "relu" + ext)
+    sandbox.compile_workspace(ws, cfg)  # warm: both kernels cached
+    times = []
+    for i in range(edits):
+        with open(path, "a") as f:
+            f.write(f"\n// edit {i} {time.time_ns()}\n")
+        t = time.perf_counter()
+        ok, log, _ = sandbox.compile_workspace(ws, cfg)
+        times.append(time.perf_counter() - t)
+        assert ok, log
+    return times
+
+
+def bench_load_inline(device: str) -> float | None:
+    """Seconds for torch's load_inline to build the same kernel (torch headers), in a fresh ext dir."""
+    if device == "cuda":
+        call = ("load_inline(name='bench_relu', cpp_sources='void relu_forward(torch::Tensor x, torch::Tensor y);',"
+                " cuda_sources=SRC, functions=['relu_forward'])")
+        src = CU_BIND
+    else:
+        call = "load_inline(name='bench_relu', cpp_sources=SRC, functions=['relu_forward'], extra_cflags=['-O3', '-fopenmp'])"
+        src = CPP_BIND
+    with tempfile.TemporaryDirectory() as d:
+        env = {**os.environ, "TORCH_EXTENSIONS_DIR": d}
+        r = subprocess.run([sys.executable, "-c", f"SRC = {src!r}\n" + LOAD_INLINE.format(call=call)],
+                           capture_output=True, text=True, env=env, timeout=900)
+    if r.returncode != 0:
+        print("load_inline failed:", r.stderr[-2000:], file=sys.stderr)
+        return None
+    return float(r.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--edits", type=int, default=7, help="one-kernel edits to time (median)")
+    p.add_argument("--checks", type=int, default=10, help="checks for the checks/minute number")
+    p.add_argument("--repeats", type=int, default=10, help="repeated checks for the timing spread")
+    p.add_argument("--iters", type=int, default=100, help="timed iterations per check")
+    p.add_argument("--skip-load-inline", action="store_true", help="skip the (slow) load_inline build")
+    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_sandbox.json"))
+    args = p.parse_args()
+    rows, cols = (4096, 4096) if args.device == "cuda" else (512, 1024)
+    res = {"device": args.device, "isolation": sandbox.isolation(), "shape": [rows, cols]}
+    with tempfile.TemporaryDirectory() as root:
+        cfg = sandbox.SandboxConfig(device=args.device, cache_dir=os.path.join(root, "cache"), iters=args.iters,
+                                    warmup=10)
+        ws = make_ws(root, args.device)
+        # (1) rebuild after a one-kernel edit vs load_inline
+        rb = bench_rebuild(ws, cfg, args.edits)
+        res["rebuild_s"] = {"median": statistics.median(rb), "all": rb}
+        res["load_inline_s"] = None if args.skip_load_inline else bench_load_inline(args.device)
+        # (2) checks per minute (baselines cached by the first check)
+        task = TASK.format(rows=rows, cols=cols)
+        t = time.perf_counter()
+        first = sandbox.check(task, ws, cfg)
+        res["first_check_s"] = time.perf_counter() - t
+        assert first.correct, first.to_dict()
+        verdicts, t = [], time.perf_counter()
+        for _ in range(args.checks):
+            verdicts.append(sandbox.check(task, ws, cfg))
+        dt = time.perf_counter() - t
+        res["checks_per_min"] = 60 * args.checks / dt
+        res["all_correct"] = all(v.correct for v in verdicts)
+        # (3) spread of repeated timings of one kernel
+        cands = [v.candidate_ms for v in verdicts[: args.repeats]]
+        for _ in range(max(0, args.repeats - len(cands))):
+            cands.append(sandbox.check(task, ws, cfg).candidate_ms)
+        res["candidate_ms"] = cands
+        res["cv_across_checks"] = statistics.pstdev(cands) / statistics.fmean(cands)
+        res["cv_within_check_median"] = statistics.median(v.timings["cand_cv"] for v in verdicts)
+        res["eager_ms"], res["compile_ms"], res["gpu"] = first.eager_ms, first.compile_ms, first.device
+    li = res["load_inline_s"]
+    print("\n| metric | value |\n|---|---|")
+    print(f"| machine | {res['gpu']} ({args.device}, isolation {res['isolation']}) |")
+    print(f"| rebuild after one-kernel edit (median of {args.edits}) | {res['rebuild_s']['median']:.2f} s |")
+    print(f"| load_inline build of the same kernel | {'skipped' if li is None else f'{li:.1f} s'} |")
+    print(f"| checks per minute (one device, cached baselines, {rows}x{cols} relu) | {res['checks_per_min']:.1f} |")
+    print(f"| first check (computes baselines) | {res['first_check_s']:.1f} s |")
+    print(f"| candidate ms median over checks | {statistics.median(cands):.4f} |")
+    print(f"| CV of candidate_ms across {len(cands)} checks | {res['cv_across_checks']:.3f} |")
+    print(f"| CV within a check ({args.iters} iters, median) | {res['cv_within_check_median']:.3f} |")
+    print(f"| eager / compile ms | {res['eager_ms']:.4f} / {res['compile_ms'] or float('nan'):.4f} |")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,406 @@
+"""Adversarial tests of the sandbox (issue 2): one hack per test, each next to an honest control.
+
+CPU tests run in CI; `@pytest.mark.gpu` ones run on the H200 (tests/test_sandbox_gpu.py). Honest
+candidates here are form (a) files whose "kernel" is numpy (not torch, so the guard allows it), or the
+OpenMP C++ workspace in tests/fixtures/sandbox/relu_ws (form b).
+Run: python -m pytest tests/test_sandbox.py -q -x
+"""
+import os
+import shutil
+import socket
+import textwrap
+import threading
+
+import pytest
+
+import sandbox
+from sandbox import SandboxConfig, TaskError, check, compare, load_task, static_scan
+
+FIX = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "sandbox")
+RELU_TASK = os.path.join(FIX, "relu_task.py")
+RELU_WS = os.path.join(FIX, "relu_ws")
+SOFTMAX_TASK = textwrap.dedent("""
+    import torch
+    import torch.nn as nn
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+        def forward(self, x):
+            return torch.softmax(x, dim=1)
+    def get_inputs():
+        return [torch.rand(16, 4096)]
+    def get_init_inputs():
+        return []
+""")
+HONEST = "return torch.from_numpy(np.maximum(x.numpy(), 0))"
+
+
+def sol(body: str = HONEST, head: str = "", init: str = "pass", bases: str = "nn.Module") -> str:
+    """A form (a) solution: numpy relu by default; `head` runs at import, `body` is forward's body."""
+    return (f"import ctypes, os, sys, threading, time\nimport numpy as np\nimport torch\nimport torch.nn as nn\n"
+            f"{textwrap.dedent(head)}\n"
+            f"class ModelNew({bases}):\n    def __init__(self):\n        super().__init__()\n"
+            f"        {init}\n    def forward(self, x):\n" + textwrap.indent(textwrap.dedent(body), " " * 8))
+
+
+@pytest.fixture(scope="session")
+def cfg(tmp_path_factory):
+    cache = str(tmp_path_factory.mktemp("sbx_cache"))
+    return SandboxConfig(cache_dir=cache, warmup=2, iters=10, run_timeout_s=120, profile=False)
+
+
+@pytest.fixture(scope="session")
+def pcfg(cfg):  # with profiling (the relu baselines are computed once, then cached)
+    import dataclasses
+    return dataclasses.replace(cfg, profile=True)
+
+
+def run(src_or_path, cfg, task=RELU_TASK):
+    return check(task, src_or_path, cfg)
+
+
+# ----------------------------------------------------------------------------- honest controls
+def test_honest_workspace_openmp_reward(pcfg):
+    v = run(RELU_WS, pcfg)
+    assert v.compiled and v.correct and v.violation is None and v.error is None, v.to_dict()
+    assert v.reward >= 1 and v.stage == "done" and v.precision == "fp32" and v.device == "cpu"
+    assert v.candidate_ms > 0 and v.eager_ms > 0 and len(v.trials) == pcfg.n_trials + 1
+    assert v.timings["isolation"] in ("bwrap", "unshare", "rlimits")
+    d = v.to_dict()
+    for k in ("compiled", "correct", "violation", "error", "eager_ms", "compile_ms", "candidate_ms",
+              "speedup_eager", "speedup_compile", "reward"):
+        assert k in d
+
+
+def test_honest_form_a_numpy(cfg):
+    v = run(sol(), cfg)
+    assert v.correct and v.reward == 1.0, v.to_dict()
+
+
+def test_honest_thread_joined_before_return(cfg):  # twin of the thread hacks
+    v = run(sol("""
+        y = torch.empty_like(x)
+        t = threading.Thread(target=lambda: np.maximum(x.numpy(), 0, out=y.numpy())); t.start(); t.join()
+        return y"""), cfg)
+    assert v.correct, v.to_dict()
+
+
+# ----------------------------------------------------------------------------- malformed tasks
+BAD_TASKS = {
+    "missing": "import torch\nclass Model(torch.nn.Module):\n    pass\ndef get_init_inputs():\n    return []\n",
+    "import": "import no_such_module_xyz\n",
+    "syntax": "def broken(:\n",
+    "nontensor": SOFTMAX_TASK.replace("return [torch.rand(16, 4096)]", "return [3, 'x']"),
+    "raises": SOFTMAX_TASK.replace("return torch.softmax(x, dim=1)", "raise ValueError('boom')"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_TASKS))
+def test_malformed_task(kind):
+    with pytest.raises(TaskError) as e:
+        load_task(BAD_TASKS[kind])
+    msg = str(e.value)
+    assert msg and "\n" not in msg and "Traceback" not in msg
+    assert {"missing": "get_inputs", "import": "no_such_module", "syntax": "SyntaxError",
+            "nontensor": "non-tensor", "raises": "boom"}[kind] in msg
+
+
+def test_good_task_loads():
+    assert "class Model" in load_task(RELU_TASK)
+
+
+# ----------------------------------------------------------------------------- no torch compute in forward
+def test_static_scan_unit():
+    ok = open(os.path.join(RELU_WS, "model_new.py")).read()
+    assert static_scan(ok) is None and static_scan(sol()) is None
+    for bad in ("return torch.relu(x)", "return F.relu(x)", "return x.clamp(min=0)", "return x.sum()",
+                "return torch.nn.functional.relu(x)", "return getattr(torch, 'relu')(x)"):
+        src = sol(bad).replace("import torch.nn as nn", "import torch.nn as nn\nimport torch.nn.functional as F")
+        assert static_scan(src), bad
+    cpp = 'src = """#include <torch/extension.h>\\ntorch::Tensor f(torch::Tensor x){ return at::relu(x); }"""'
+    assert "at::relu" in static_scan(cpp)
+    assert static_scan('s = """#include <x>\\nauto y = torch::empty_like(x);"""') is None
+
+
+def test_static_layer_rejects_torch_fallback(cfg):
+    v = run(sol("try:\n    raise RuntimeError('kernel failed')\nexcept RuntimeError:\n    return torch.relu(x)"), cfg)
+    assert not v.correct and v.violation and "static scan" in v.violation and v.reward == -1
+
+
+def test_dispatch_guard_catches_hidden_torch_call(cfg):  # invisible to the static scan
+    v = run(sol("return vars(torch)['re' + 'lu'](x)"), cfg)
+    assert v.violation and "dispatch guard" in v.violation and "relu" in v.violation, v.to_dict()
+
+
+def test_rebinding_worker_allow_list_changes_nothing(cfg):
+    head = "import sandbox_worker\nsandbox_worker.ALLOWED_OPS = frozenset(list(sandbox_worker.ALLOWED_OPS) + ['relu'])"
+    v = run(sol("return vars(torch)['re' + 'lu'](x)", head=head), cfg)
+    assert v.violation and "relu" in v.violation, v.to_dict()
+
+
+def test_profiler_layer_catches_disabled_guard(cfg):
+    v = run(sol("""
+        from torch.utils._python_dispatch import _disable_current_modes
+        with _disable_current_modes():
+            return vars(torch)['re' + 'lu'](x)"""), cfg)
+    assert v.violation and "profiler" in v.violation, v.to_dict()
+
+
+def test_inheriting_reference_model(cfg, tmp_path):
+    ws = tmp_path / "ws"
+    shutil.copytree(RELU_WS, ws)
+    (ws / "model_new.py").write_text("from model import Model\n\nclass ModelNew(Model):\n    pass\n")
+    v = run(str(ws), cfg)
+    assert v.violation and "inherits" in v.violation, v.to_dict()
+
+
+@pytest.mark.slow
+def test_dispatch_guard_sees_cpp_extension_aten_call(cfg):
+    cpp = ('#include <torch/extension.h>\\n#define CALL at::relu\\n'
+           'torch::Tensor f(torch::Tensor x) { return CALL(x); }')
+    head = ("from torch.utils.cpp_extension import load_inline\n"
+            f"ext = load_inline(name='sbx_hidden_relu', cpp_sources=\"{cpp}\", functions=['f'])\n")
+    v = run(sol("return ext.f(x)", head=head), cfg)
+    assert v.compiled and v.violation and "dispatch guard" in v.violation, v.to_dict()
+
+
+# ----------------------------------------------------------------------------- correctness hacks
+def test_input_mutation(cfg):
+    v = run(sol("np.maximum(x.numpy(), 0, out=x.numpy())\nreturn torch.from_numpy(x.numpy().copy())"), cfg)
+    assert v.violation and "modified its inputs" in v.violation, v.to_dict()
+
+
+def test_stale_output_cache(cfg):  # returns the first output it ever computed
+    v = run(sol("""
+        if not hasattr(self, 'c'):
+            self.c = torch.from_numpy(np.maximum(x.numpy(), 0))
+        return self.c"""), cfg)
+    assert not v.correct and v.error and "incorrect on trial" in v.error, v.to_dict()
+
+
+def test_pointer_keyed_cache_fails_post_timing_check(pcfg):
+    v = run(sol("""
+        k = x.data_ptr()
+        if k not in self.c:
+            self.c[k] = torch.from_numpy(np.maximum(x.numpy(), 0))
+        return self.c[k]""", init="self.c = {}"), pcfg)
+    assert all(t["ok"] for t in v.trials[:-1]), "trials pass: every trial input is a new tensor"
+    assert not v.correct and "post-timing" in v.error, v.to_dict()
+
+
+def test_degenerate_softmax_fails(cfg):
+    honest = "e = np.exp(x.numpy() - np.max(x.numpy(), 1, keepdims=True))\nreturn torch.from_numpy(e / np.sum(e, 1, keepdims=True))"
+    assert run(sol(honest), cfg, task=SOFTMAX_TASK).correct
+    v = run(sol("return torch.from_numpy(np.full(tuple(x.shape), 1.0 / x.shape[1], dtype=np.float32))"), cfg,
+            task=SOFTMAX_TASK)
+    assert not v.correct and "relative L2" in v.error, v.to_dict()
+    assert all(t["max_abs_err"] < cfg.atol for t in v.trials), "allclose alone would have passed it"
+
+
+def test_compare_unit():
+    import torch
+    r = torch.softmax(torch.rand(8, 4096), 1)
+    assert compare([r], [r.clone()], None, "cpu", 1e-2, 1e-2)["ok"]
+    deg = compare([r], [torch.full_like(r, 1 / 4096)], None, "cpu", 1e-2, 1e-2)
+    assert not deg["ok"] and deg["rel_l2"] > 0.1
+    bad = r.clone()
+    bad[3, 7] = float("nan")
+    assert compare([r], [bad], None, "cpu", 1e-2, 1e-2)["first_bad_index"] == [3, 7]
+
+
+@pytest.mark.parametrize("body,why", [
+    ("return torch.from_numpy(np.maximum(x.numpy(), 0).astype(np.float64))", "dtype"),
+    ("return torch.from_numpy(np.maximum(x.numpy(), 0).reshape(-1))", "shape"),
+    ("y = np.maximum(x.numpy(), 0); y[0, 0] = np.nan\nreturn torch.from_numpy(y)", "non-finite"),
+    ("class Lazy(torch.Tensor):\n    pass\nreturn torch.from_numpy(np.maximum(x.numpy(), 0)).as_subclass(Lazy)",
+     "exactly torch.Tensor"),
+])
+def test_wrong_output_kind(cfg, body, why):
+    v = run(sol(body), cfg)
+    assert not v.correct and why in (v.error or ""), v.to_dict()
+
+
+# ----------------------------------------------------------------------------- threads
+def test_python_thread_writes_after_return(cfg):
+    v = run(sol("""
+        y = torch.empty_like(x)
+        def late():
+            time.sleep(0.02)
+            np.maximum(x.numpy(), 0, out=y.numpy())
+        threading.Thread(target=late).start()
+        return y"""), cfg)
+    assert v.violation and "thread" in v.violation, v.to_dict()
+
+
+def test_native_thread_writes_after_return(cfg, tmp_path):
+    ws = tmp_path / "ws"
+    shutil.copytree(RELU_WS, ws)
+    (ws / "kernels" / "relu.cpp").write_text(textwrap.dedent("""
+        #include <chrono>
+        #include <thread>
+        extern "C" void relu_forward(const float* x, float* y, long n, void* stream) {
+            std::thread([=] {  // detached: still writing after forward returned
+                std::this_thread::sleep_for(std::chrono::milliseconds(10));
+                for (long i = 0; i < n; ++i) y[i] = x[i] > 0.f ? x[i] : 0.f;
+            }).detach();
+        }"""))
+    v = run(str(ws), cfg)
+    assert v.compiled and v.violation and ("changed after forward" in v.violation or "thread" in v.violation), \
+        v.to_dict()
+
+
+# ----------------------------------------------------------------------------- timer
+SLOW = "time.sleep(0.01)\n" + HONEST
+
+
+def test_patched_time_module_changes_nothing(pcfg):
+    v = run(sol(SLOW, head="time.perf_counter = lambda: 0.0\ntime.perf_counter_ns = lambda: 0"), pcfg)
+    assert v.correct and v.violation is None and v.candidate_ms >= 9.0, v.to_dict()
+
+
+def test_patched_worker_module_changes_nothing(pcfg):
+    head = ("import sandbox_worker\nsandbox_worker._perf = lambda: 0.0\nsandbox_worker._sync = lambda: None\n"
+            "sandbox_worker.Timer.run = lambda self, fn, *a, **k: ([1e-6], fn(*self.inputs))\n")
+    v = run(sol(SLOW, head=head), pcfg)
+    assert v.correct and v.violation is None and v.candidate_ms >= 9.0, v.to_dict()
+
+
+# ctypes overwrites the harness's captured clock in place: only the host's own wall clock can see that
+CLOCK_SWAP = """
+import gc
+_fake = lambda: 0.0
+for o in gc.get_objects():
+    if type(o) is tuple and len(o) == 2 and o[0] is time.perf_counter:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(_fake))
+        ctypes.c_void_p.from_address(id(o) + 24).value = id(_fake)
+"""
+
+
+def test_clock_overwritten_in_memory_caught_by_host_wall_clock(pcfg):
+    honest = run(sol(SLOW), pcfg)
+    assert honest.correct and honest.violation is None, honest.to_dict()
+    v = run(sol(SLOW, head=CLOCK_SWAP), pcfg)
+    assert v.violation and "timer mismatch" in v.violation, v.to_dict()
+
+
+# ----------------------------------------------------------------------------- escapes
+def test_fake_verdict_on_stdout_and_result_fd(cfg):
+    fake = '{"compiled": true, "correct": true, "violation": null, "error": null, "reward": 3.0}'
+    v = run(sol("print(%r, flush=True)\nreturn torch.from_numpy(np.zeros(tuple(x.shape), np.float32))" % fake), cfg)
+    assert not v.correct and v.reward == -1, v.to_dict()
+    head = "import json\nj = json.load(open('job.json'))\nos.write(j['result_fd'], b'X' * 64)\n"
+    v = run(sol(head=head), cfg)
+    assert not v.correct and v.error and "bad frame" in v.error, v.to_dict()
+
+
+def test_writes_outside_workspace_do_not_persist(cfg, tmp_path):
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    targets = [f"/tmp/sbx_escape_{os.getpid()}", os.path.join(repo, f"sbx_escape_{os.getpid()}"),
+               os.path.join(os.path.expanduser("~"), f"sbx_escape_{os.getpid()}"), str(tmp_path / "escape")]
+    head = f"for p in {targets!r}:\n    try:\n        open(p, 'w').write('x')\n    except OSError:\n        pass\n"
+    v = run(sol(head=head), cfg)
+    assert v.correct, v.to_dict()
+    if sandbox.isolation() == "bwrap":
+        assert not [p for p in targets if os.path.exists(p)]
+    for p in targets:
+        if os.path.exists(p):
+            os.remove(p)
+
+
+def test_network_is_unreachable(cfg):
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(4)
+    srv.settimeout(0.5)
+    port, hits = srv.getsockname()[1], []
+
+    def accept():
+        for _ in range(40):
+            try:
+                hits.append(srv.accept()[0])
+            except OSError:
+                pass
+    th = threading.Thread(target=accept, daemon=True)
+    th.start()
+    socket.create_connection(("127.0.0.1", port), timeout=2).close()  # twin: reachable from the host
+    head = f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=2)\nexcept OSError:\n    pass\n"
+    v = run(sol(head=head), cfg)
+    assert v.correct, v.to_dict()
+    if sandbox.isolation() in ("bwrap", "unshare"):
+        assert len(hits) == 1, "only the host's own connection may arrive"
+    srv.close()
+
+
+@pytest.mark.parametrize("body,why", [
+    ("os._exit(3)", "exited with code 3"),
+    ("sys.exit(0)", "SystemExit"),
+    ("ctypes.string_at(0)", "SIGSEGV"),
+    ("while True:\n    pass", "timed out"),
+    ("bufs = []\nfor _ in range(12):\n    bufs.append(np.ones(512 << 17))\nreturn torch.from_numpy(bufs[0])",
+     "memory limit exceeded"),  # the host's RSS watch, well before RLIMIT_AS (limit + 4 GiB)
+])
+def test_process_deaths_become_verdicts(cfg, body, why):
+    import dataclasses
+    c = dataclasses.replace(cfg, run_timeout_s=20 if why == "timed out" else 120, compile_timeout_s=1,
+                            mem_limit_mb=1024)
+    v = run(sol(body), c)
+    assert not v.correct and v.reward == -1 and why.lower() in (v.error or "").lower(), v.to_dict()
+
+
+def test_cannot_read_baseline_cache_or_sandbox_root(pcfg):
+    assert run(RELU_WS, pcfg).correct  # makes sure baselines.json exists
+    secret = os.path.join(os.path.expanduser(pcfg.cache_dir), "baselines.json")
+    assert os.path.exists(secret)
+    root = sandbox._root()  # holds every job dir; inside, only the candidate's own job path may show
+    head = (f"if os.path.exists({secret!r}):\n    raise RuntimeError('LEAK baselines')\n"
+            f"jobs = os.listdir({root!r})\n"
+            f"if len(jobs) != 1 or os.listdir(os.path.join({root!r}, jobs[0])) != ['w']:\n"
+            f"    raise RuntimeError('LEAK root')\n")
+    v = run(sol(head=head), pcfg)
+    if sandbox.isolation() == "bwrap":
+        assert v.correct and v.error is None, v.to_dict()
+
+
+# ----------------------------------------------------------------------------- compile, pool, run_isolated
+def test_compile_cache_and_one_kernel_rebuild(cfg, tmp_path):
+    ws = tmp_path / "ws"
+    shutil.copytree(RELU_WS, ws)
+    shutil.copy(ws / "kernels" / "relu.cpp", ws / "kernels" / "relu2.cpp")
+    ok, log, sos = sandbox.compile_workspace(str(ws), cfg)
+    assert ok and set(sos) == {"relu", "relu2"}
+    (ws / "kernels" / "relu2.cpp").write_text((ws / "kernels" / "relu2.cpp").read_text() + "\n// edit\n")
+    ok2, _, sos2 = sandbox.compile_workspace(str(ws), cfg)
+    assert ok2 and sos2["relu"] == sos["relu"] and sos2["relu2"] != sos["relu2"]
+
+
+def test_compile_error_is_a_verdict(cfg, tmp_path):
+    ws = tmp_path / "ws"
+    shutil.copytree(RELU_WS, ws)
+    (ws / "kernels" / "relu.cpp").write_text('extern "C" void relu_forward( { oops }\n')
+    v = run(str(ws), cfg)
+    assert not v.compiled and v.stage == "compile" and "error" in v.compile_log and v.reward == -1
+
+
+def test_run_isolated():
+    c = SandboxConfig()
+    ok, val, err = sandbox.run_isolated("sandbox_worker:_stats", {"times": [1.0, 2.0, 3.0]}, c, 60)
+    assert ok and val["median_ms"] == 2.0, err
+    ok, val, err = sandbox.run_isolated("os:abort", {}, c, 60)
+    assert not ok and "SIGABRT" in err
+
+
+def test_pool(cfg):
+    pool = sandbox.SandboxPool(cfg, compile_workers=2)
+    try:
+        futs = [pool.submit(RELU_TASK, RELU_WS), pool.submit(RELU_TASK, sol("return torch.from_numpy(np.zeros(tuple(x.shape), np.float32))"))]
+        a, b = [f.result(timeout=300) for f in futs]
+        assert a.correct and not b.correct
+        assert pool.compile(RELU_WS).result()[0]
+    finally:
+        pool.close()
+
+
+def test_precision_rule():
+    assert sandbox._precision(SandboxConfig(device="cuda", rtol=1e-2)) == "tf32"
+    assert sandbox._precision(SandboxConfig(device="cuda", rtol=1e-4)) == "fp32"
+    assert sandbox._precision(SandboxConfig(device="cpu", rtol=1e-2)) == "fp32"
