@@ -178,11 +178,15 @@ def cmd_check(argv: list[str]) -> int:
         print(f"error: solution not found: {ns.solution}", file=sys.stderr)
         return 2
     try:
-        task = sandbox.load_task(ns.task)
+        task = sandbox.load_task(ns.task, device=cfg.device)
     except sandbox.TaskError as e:
         print(f"error: bad task {ns.task}: {e}", file=sys.stderr)
         return 2
-    verdict = sandbox.check(task, ns.solution, cfg).to_dict()
+    try:
+        verdict = sandbox.check(task, ns.solution, cfg).to_dict()
+    except sandbox.TaskError as e:  # the reference itself failed on this device (e.g. it times out)
+        print(f"error: bad task {ns.task}: {e}", file=sys.stderr)
+        return 2
     missing = [k for k in CHECK_KEYS if k not in verdict]
     assert not missing, f"sandbox verdict lacks contract keys {missing}"
     if ns.json:

@@ -58,13 +58,13 @@ if want synth; then
   section synth 420 python3 scripts/bench_synth.py --device cuda --n-candidates 200 --out-dir "$RES/bench_synth"
 fi
 if want generate; then
-  section generate 300 python3 scripts/bench_generate.py --preset small --out "$RES/bench_generate_small.json"
+  section generate "${T_GEN:-300}" python3 scripts/bench_generate.py --preset small ${GEN_ARGS:-} --out "$RES/bench_generate_small.json"
 fi
 if want generate-a3b; then
-  section generate-a3b 420 python3 scripts/bench_generate.py --preset a3b --out "$RES/bench_generate_a3b.json"
+  section generate-a3b "${T_A3B:-420}" python3 scripts/bench_generate.py --preset a3b ${A3B_ARGS:-} --out "$RES/bench_generate_a3b.json"
 fi
 if want ppo; then
-  section ppo 480 python3 scripts/bench_ppo.py --device cuda --out "$RES/bench_ppo.json"
+  section ppo "${T_PPO:-480}" python3 scripts/bench_ppo.py --device cuda ${PPO_ARGS:-} --out "$RES/bench_ppo.json"
 fi
 if want train-tiny; then
   section train-tiny 480 python3 cuda_agent.py train --device cuda --sandbox-device cuda --run-dir "$RES/train_tiny"

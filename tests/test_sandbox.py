@@ -404,3 +404,31 @@ def test_precision_rule():
     assert sandbox._precision(SandboxConfig(device="cuda", rtol=1e-2)) == "tf32"
     assert sandbox._precision(SandboxConfig(device="cuda", rtol=1e-4)) == "fp32"
     assert sandbox._precision(SandboxConfig(device="cpu", rtol=1e-2)) == "fp32"
+
+
+# --- guard detection: the static layer refuses code that inspects the harness (only the last timed
+# iteration runs under the dispatch guard, so telling guarded from unguarded calls must itself be a violation)
+_HONEST = '''
+import ctypes, torch
+from sandbox_worker import load_kernel, ptr, stream
+lib = load_kernel("relu")   # we inspect nothing; the word profiler in a comment is fine
+class ModelNew(torch.nn.Module):
+    def forward(self, x):
+        y = torch.empty_like(x)
+        lib.relu_forward(ptr(x), ptr(y), x.numel(), stream())
+        return y
+'''
+
+
+@pytest.mark.parametrize("hack", [
+    "if torch._C._len_torch_dispatch_stack() == 0: return torch.relu(x)",
+    "if not torch.autograd.profiler._is_profiler_enabled: return torch.relu(x)",
+    "import sandbox_worker; sandbox_worker._GUARD = None",
+    "import sys; sys.setprofile(None)",
+    "import inspect; inspect.stack()",
+])
+def test_static_scan_refuses_guard_detection(hack):
+    from sandbox import static_scan
+    assert static_scan(_HONEST) is None  # honest control
+    bad = _HONEST.replace("        y = torch.empty_like(x)", f"        {hack}\n        y = torch.empty_like(x)")
+    assert "introspection" in (static_scan(bad) or "")
