@@ -707,7 +707,9 @@ class Episode:
             local[n] = shutil.copy(so, os.path.join(d, f"{n}.so"))
         with open(os.path.join(d, "run.py"), "w") as f:
             f.write(NCU_DRIVER)
-        cmd = (f"CUDA_AGENT_KERNELS='{json.dumps(local)}' ncu --print-summary per-kernel --launch-count 50 "
+        # PYTHONPATH=.: `python .ncu/run.py` puts .ncu/, not the workspace, first on sys.path (seen on the H200)
+        cmd = (f"HOME=$PWD/.ncu PYTHONPATH=.:${{PYTHONPATH:-}} CUDA_AGENT_KERNELS='{json.dumps(local)}' "
+               f"ncu --print-summary per-kernel --launch-count 50 "
                f"python .ncu/run.py 2>&1 | grep -v '^==PROF==' | tail -n 60")
         out = run_bash(self.ws, cmd, 180, self.hide, "cuda", 2500)
         return "ncu kernel summary (one forward):\n" + out

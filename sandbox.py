@@ -607,6 +607,11 @@ def static_scan(source: str) -> str | None:
             for a in node.names:
                 if a.asname and a.name.startswith("torch"):
                     alias[a.asname] = a.name
+    # Names bound to a compiled library (`lib = load_kernel("k")`, `ctypes.CDLL(...)`): `lib.mm(...)` is the
+    # candidate's own launcher, not a tensor method, and must not trip the METHODS_BAD rule below.
+    libs = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call)
+            and _dotted(n.value.func).rsplit(".", 1)[-1] in ("load_kernel", "CDLL", "LoadLibrary")
+            for t in n.targets if isinstance(t, ast.Name)}
     bodies = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
               and getattr(n, "name", "") != "__init__"]
     for fn in bodies:
@@ -623,7 +628,7 @@ def static_scan(source: str) -> str | None:
                 bad = name
             elif name.startswith("torch.") and name.count(".") > 1 and not name.startswith(TORCH_OK_PREFIX):
                 bad = name if not name.startswith("torch.nn.") else None
-            elif isinstance(node.func, ast.Attribute) and node.func.attr in METHODS_BAD and \
+            elif isinstance(node.func, ast.Attribute) and node.func.attr in METHODS_BAD and head not in libs and \
                     not name.startswith(("math.", "np.", "numpy.", "os.", "ctypes.")):
                 bad = f".{node.func.attr}()"
             elif name in ("getattr", "eval", "exec", "__import__") and node.args and \

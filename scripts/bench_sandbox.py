@@ -138,12 +138,14 @@ def main() -> int:
         # (1) rebuild after a one-kernel edit vs load_inline
         rb = bench_rebuild(ws, cfg, args.edits)
         res["rebuild_s"] = {"median": statistics.median(rb), "all": rb}
+        print(f"rebuild after one-kernel edit: {rb}", flush=True)
         res["load_inline_s"] = None if args.skip_load_inline else bench_load_inline(args.device)
         # (2) checks per minute (baselines cached by the first check)
         task = TASK.format(rows=rows, cols=cols)
         t = time.perf_counter()
         first = sandbox.check(task, ws, cfg)
         res["first_check_s"] = time.perf_counter() - t
+        print(f"load_inline: {res['load_inline_s']} s; first check: {res['first_check_s']:.1f} s", flush=True)
         assert first.correct, first.to_dict()
         verdicts, t = [], time.perf_counter()
         for _ in range(args.checks):

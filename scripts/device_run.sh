@@ -40,22 +40,22 @@ if want env; then
     nvcc --version | tail -1; which bwrap ncu compute-sanitizer; bwrap --version'
 fi
 if want gpu-tests; then
-  section gpu-tests 420 python3 -m pytest -q -m gpu --timeout 240 -p no:cacheprovider tests/
+  section gpu-tests "${T_TESTS:-420}" python3 -m pytest -q -m gpu --timeout 240 -p no:cacheprovider ${GPU_TESTS:-tests/}
 fi
 if want sandbox; then
-  section sandbox 420 python3 scripts/bench_sandbox.py --device cuda --out "$RES/bench_sandbox.json"
+  section sandbox "${T_SBX:-420}" python3 scripts/bench_sandbox.py --device cuda ${SBX_ARGS:-} --out "$RES/bench_sandbox.json"
 fi
 if want kb-baselines; then
-  section kb-baselines 420 python3 scripts/bench_kernelbench_baselines.py --kernelbench-dir "$KB" --level 1 \
+  section kb-baselines "${T_KBB:-420}" python3 scripts/bench_kernelbench_baselines.py --kernelbench-dir "$KB" --level 1 \
     --problems "${KB_PROBLEMS:-1,3,6,18,23,26,33,36,40,42,48,54,57,65,77,82,86,87}" --h100-dir .carry/h100 \
     --cache-dir "$CUDA_AGENT_CACHE" --out "$RES/kb_baselines"
 fi
 if want kb-samples; then
-  section kb-samples 420 python3 kernelbench_eval.py --kernelbench-dir "$KB" --level 1,2 --samples-only \
+  section kb-samples "${T_KBS:-420}" python3 kernelbench_eval.py --kernelbench-dir "$KB" --level 1,2 --samples-only \
     --samples-dir scripts/kb_samples --device cuda --cache-dir "$CUDA_AGENT_CACHE" --out "$RES/kb_samples"
 fi
 if want synth; then
-  section synth 420 python3 scripts/bench_synth.py --device cuda --n-candidates 200 --out-dir "$RES/bench_synth"
+  section synth "${T_SYN:-420}" python3 scripts/bench_synth.py --device cuda --n-candidates 200 --out-dir "$RES/bench_synth"
 fi
 if want generate; then
   section generate "${T_GEN:-300}" python3 scripts/bench_generate.py --preset small ${GEN_ARGS:-} --out "$RES/bench_generate_small.json"
@@ -67,7 +67,7 @@ if want ppo; then
   section ppo "${T_PPO:-480}" python3 scripts/bench_ppo.py --device cuda ${PPO_ARGS:-} --out "$RES/bench_ppo.json"
 fi
 if want train-tiny; then
-  section train-tiny 480 python3 cuda_agent.py train --device cuda --sandbox-device cuda --run-dir "$RES/train_tiny"
+  section train-tiny "${T_TRAIN:-480}" python3 cuda_agent.py train --device cuda --sandbox-device cuda --run-dir "$RES/train_tiny"
 fi
 
 tar -czf "$OUT/results.tgz" -C "$RES" . 2>/dev/null

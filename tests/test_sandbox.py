@@ -432,3 +432,12 @@ def test_static_scan_refuses_guard_detection(hack):
     assert static_scan(_HONEST) is None  # honest control
     bad = _HONEST.replace("        y = torch.empty_like(x)", f"        {hack}\n        y = torch.empty_like(x)")
     assert "introspection" in (static_scan(bad) or "")
+
+
+def test_static_scan_allows_launchers_named_like_tensor_methods():
+    """`lib.mm(...)` on a library from load_kernel is the candidate's own kernel (seen on the H200: a false
+    positive on an honest cuBLAS launcher); `a.mm(b)` on a tensor is still torch compute."""
+    from sandbox import static_scan
+    src = _HONEST.replace('load_kernel("relu")', 'load_kernel("k")').replace("lib.relu_forward", "lib.mm")
+    assert static_scan(src) is None
+    assert "mm" in (static_scan(src.replace("return y", "return x.mm(x)")) or "")
