@@ -280,11 +280,17 @@ class HFPolicy:
     """
 
     def __init__(self, model, tokenizer, max_new_tokens: int = 1024, temperature: float = 1.0,
-                 top_p: float = 1.0, top_k: int = 0, seed: int = 0, engine=None):
-        self.model, self.tok, self.engine = model, tokenizer, engine
+                 top_p: float = 1.0, top_k: int = 0, seed: int = 0, engine=None, max_batch: int = 64):
+        self.model, self.tok = model, tokenizer
         self.max_new_tokens, self.temperature, self.top_p, self.top_k = max_new_tokens, temperature, top_p, top_k
         self.seed, self.calls = seed, 0
         self.eot_id = tokenizer.convert_tokens_to_ids(end_of_turn(tokenizer))
+        if engine is True:  # build the KV-cache-reusing engine for this model (make a new policy per update)
+            import generate
+            engine = generate.Engine(model, tokenizer, max_batch=max_batch, max_new_tokens=max_new_tokens,
+                                     temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                                     stop_ids={self.eot_id}, cuda_graphs=next(model.parameters()).is_cuda)
+        self.engine = engine or None
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eot_id
 
     def prompt_ids(self, s: EpisodeState) -> list[int]:
@@ -471,8 +477,10 @@ class ReplayPolicy:
 def make_policy(kind: str, model: str | None = None, adapter: str | None = None,
                 endpoint: str = "http://127.0.0.1:8000/v1", api_key_env: str = "OPENAI_API_KEY",
                 script: str | None = None, device: str = "cpu", max_new_tokens: int = 4096,
-                temperature: float = 0.7, seed: int = 0):
-    """A policy from CLI-style settings: kind "replay" | "hf" | "openai" (see env.SolveConfig)."""
+                temperature: float = 0.7, seed: int = 0, engine: bool = True):
+    """A policy from CLI-style settings: kind "replay" | "hf" | "openai" (see env.SolveConfig).
+    engine: for "hf", sample through generate.Engine (KV cache reused across turns) instead of the plain
+    re-encoding `model.generate` loop."""
     if kind == "replay":
         assert script, "--policy replay needs --script (a trajectory JSONL or a JSON list of messages)"
         if script.endswith(".jsonl"):
@@ -486,7 +494,8 @@ def make_policy(kind: str, model: str | None = None, adapter: str | None = None,
         else:
             m, tok = load_policy_model(model, adapter=adapter, device=device if device == "cuda" else "cpu",
                                        dtype="bfloat16" if device == "cuda" else "float32")
-        return HFPolicy(m, tok, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+        m.eval()
+        return HFPolicy(m, tok, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, engine=engine)
     if kind == "openai":
         assert model, "--policy openai needs --model (the served model name)"
         return OpenAIPolicy(model, endpoint=endpoint, api_key_env=api_key_env, max_tokens=max_new_tokens,

@@ -118,6 +118,9 @@ class TrainConfig:
     """token budget per episode (paper: 32k single-turn, 128k agentic)"""
     temperature: float = 1.0
     """sampling temperature (log-probs in the loss use the same temperature)"""
+    rollout_engine: bool = True
+    """sample rollouts with generate.Engine (per-episode KV cache reused across turns, issue 7); off: the
+    plain model.generate loop that re-encodes each conversation every turn"""
     lora_rank: int = 8
     """LoRA rank of both adapters"""
     lora_alpha: float = 16.0
@@ -727,7 +730,7 @@ def collect(model, tok, tasks, demos, n: int, n_demo: int, single_turn: bool, cf
     if n_pol > 0:
         model.set_adapter("actor")
         pol = policy.HFPolicy(model, tok, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                              seed=rng.randrange(2 ** 31))
+                              seed=rng.randrange(2 ** 31), engine=cfg.rollout_engine)  # fresh engine per update
         picks = [tasks[rng.randrange(len(tasks))] for _ in range(n_pol)]
         trajs = env.run_episodes(pol, [{"code": t["code"], "name": t.get("hash")} for t in picks], pool, ecfg,
                                  tokenizer=tok)

@@ -144,6 +144,12 @@ class SandboxConfig:
     """reward kind: "milestone" | "speedup" """
     seed: int = 0
     """base seed (trial seeds are salted per job so a candidate cannot precompute)"""
+    static_scan: bool = True
+    """the static layer of the no-torch rule (imports, calls, harness introspection); the tests switch it
+    off to prove that each dynamic layer catches its hack on its own"""
+    allow_imports: str = ""
+    """extra modules a candidate may import, comma-separated (default none: kernels must be its own; the
+    adversarial tests widen it to use numpy as a stand-in kernel and reach the dynamic layers)"""
 
 
 @dataclass
@@ -552,6 +558,9 @@ clip where masked_fill masked_fill_ fill_ zero_ copy_ clone cumsum cumprod prod 
 scatter scatter_ scatter_add index_select index_add_ conv1d conv2d conv3d linear float half double bfloat16
 long int bool round floor ceil sign maximum minimum lerp addcmul addcdiv tril triu diag outer dot cross
 logsumexp all any nonzero masked_select repeat tile flip roll cat stack""".split())
+# Ways out of torch into another array library without importing it (`x.numpy() * (x.numpy() > 0)` is a
+# numpy ReLU with no import): refused unless the config allows numpy.
+METHODS_ESCAPE = {"numpy", "tolist", "__dlpack__", "__array__"}
 CPP_OK = {"empty", "empty_like", "empty_strided", "from_blob"}
 
 
@@ -575,6 +584,28 @@ INTROSPECTION = re.compile(
     r"sandbox_worker\.(?!load_kernel|ptr|stream)\w+|\bsys\.modules|\b__class__\.__subclasses__")
 
 
+# Modules a candidate may import. Kernels must be the candidate's own (compiled by the sandbox, or built
+# with load_inline / a compiler it runs at import): other compute libraries (numpy, cupy, triton, numba,
+# jax, scipy, ...) would be a fallback that never exercises a custom kernel. Seen: a numpy ReLU earned
+# reward 3 on the cpu backend before this rule.
+IMPORT_OK = {"torch", "torch.nn", "torch.nn.functional", "torch.utils.cpp_extension", "ctypes", "math", "os",
+             "os.path", "shutil", "subprocess", "tempfile", "hashlib", "pathlib", "typing", "functools",
+             "__future__", "dataclasses", "sandbox_worker"}
+CALLS_BAD_IN_FORWARD = ("importlib.", "__import__")   # dynamic imports would dodge IMPORT_OK
+
+
+def _import_violation(tree, allow: tuple[str, ...] = ()) -> str | None:
+    ok = IMPORT_OK | set(allow)
+    for node in ast.walk(tree):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+        for name in names:
+            if name not in ok:
+                return (f"static scan: import of {name!r} (line {node.lineno}) is not allowed: compute must go "
+                        f"through your own kernels; allowed imports: {', '.join(sorted(IMPORT_OK))}")
+    return None
+
+
 def _strip_comments(source: str) -> str:
     """Source with # comments blanked (line numbers kept), so prose in comments cannot trip the scan."""
     import tokenize
@@ -587,7 +618,7 @@ def _strip_comments(source: str) -> str:
     return "".join(lines)
 
 
-def static_scan(source: str) -> str | None:
+def static_scan(source: str, allow_imports: tuple[str, ...] = ()) -> str | None:
     """Conservative scan of candidate Python (+ C++ strings) for torch compute outside __init__."""
     code = _strip_comments(source)
     m = INTROSPECTION.search(code)
@@ -598,6 +629,9 @@ def static_scan(source: str) -> str | None:
         tree = ast.parse(source)
     except SyntaxError:
         return None  # the child reports the syntax error as a load error
+    bad_import = _import_violation(tree, allow_imports)
+    if bad_import:
+        return bad_import
     alias = {"F": "torch.nn.functional", "nn": "torch.nn"}
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("torch"):
@@ -624,10 +658,15 @@ def static_scan(source: str) -> str | None:
             bad = None
             if name.startswith("torch.nn.functional.") or name.startswith("torch.ops.aten."):
                 bad = name
+            elif name.startswith(CALLS_BAD_IN_FORWARD) or name == "__import__":
+                bad = name
             elif name.startswith("torch.") and name.count(".") == 1 and name[6:] not in TORCH_OK:
                 bad = name
             elif name.startswith("torch.") and name.count(".") > 1 and not name.startswith(TORCH_OK_PREFIX):
                 bad = name if not name.startswith("torch.nn.") else None
+            elif isinstance(node.func, ast.Attribute) and node.func.attr in METHODS_ESCAPE and \
+                    "numpy" not in allow_imports:
+                bad = f".{node.func.attr}()"
             elif isinstance(node.func, ast.Attribute) and node.func.attr in METHODS_BAD and head not in libs and \
                     not name.startswith(("math.", "np.", "numpy.", "os.", "ctypes.")):
                 bad = f".{node.func.attr}()"
@@ -872,7 +911,8 @@ def _prepare(form: str, sol, cfg: SandboxConfig, v: Verdict, compile_gate, wdir:
     v.compiled = True
     for p in sources:
         with open(p) as f:
-            v.violation = v.violation or static_scan(f.read())
+            extra = tuple(m.strip() for m in cfg.allow_imports.split(",") if m.strip())
+            v.violation = v.violation or (static_scan(f.read(), extra) if cfg.static_scan else None)
     if v.violation:
         v.stage = "verify"
         return None

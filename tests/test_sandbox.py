@@ -5,6 +5,7 @@ candidates here are form (a) files whose "kernel" is numpy (not torch, so the gu
 OpenMP C++ workspace in tests/fixtures/sandbox/relu_ws (form b).
 Run: python -m pytest tests/test_sandbox.py -q -x
 """
+import dataclasses
 import os
 import shutil
 import socket
@@ -35,6 +36,9 @@ SOFTMAX_TASK = textwrap.dedent("""
 HONEST = "return torch.from_numpy(np.maximum(x.numpy(), 0))"
 
 
+STANDIN_IMPORTS = "numpy,sys,threading,time"
+
+
 def sol(body: str = HONEST, head: str = "", init: str = "pass", bases: str = "nn.Module") -> str:
     """A form (a) solution: numpy relu by default; `head` runs at import, `body` is forward's body."""
     return (f"import ctypes, os, sys, threading, time\nimport numpy as np\nimport torch\nimport torch.nn as nn\n"
@@ -46,7 +50,10 @@ def sol(body: str = HONEST, head: str = "", init: str = "pass", bases: str = "nn
 @pytest.fixture(scope="session")
 def cfg(tmp_path_factory):
     cache = str(tmp_path_factory.mktemp("sbx_cache"))
-    return SandboxConfig(cache_dir=cache, warmup=2, iters=10, run_timeout_s=120, profile=False)
+    # numpy stands in for a compiled kernel in most tests (fast), so widen the import allow-list;
+    # test_other_compute_libraries_are_a_violation checks the strict default.
+    return SandboxConfig(cache_dir=cache, warmup=2, iters=10, run_timeout_s=120, profile=False,
+                         allow_imports=STANDIN_IMPORTS)
 
 
 @pytest.fixture(scope="session")
@@ -57,6 +64,12 @@ def pcfg(cfg):  # with profiling (the relu baselines are computed once, then cac
 
 def run(src_or_path, cfg, task=RELU_TASK):
     return check(task, src_or_path, cfg)
+
+
+def dynamic_only(cfg):
+    """The config with the static layer off: the test then proves a dynamic layer catches the hack alone
+    (with it on, the static scan refuses these sources first: imports of socket/json/model, introspection)."""
+    return dataclasses.replace(cfg, static_scan=False)
 
 
 # ----------------------------------------------------------------------------- honest controls
@@ -112,7 +125,8 @@ def test_good_task_loads():
 # ----------------------------------------------------------------------------- no torch compute in forward
 def test_static_scan_unit():
     ok = open(os.path.join(RELU_WS, "model_new.py")).read()
-    assert static_scan(ok) is None and static_scan(sol()) is None
+    assert static_scan(ok) is None and static_scan(sol(), tuple(STANDIN_IMPORTS.split(","))) is None
+    assert "not allowed" in static_scan(sol())   # the strict default refuses the numpy stand-in
     for bad in ("return torch.relu(x)", "return F.relu(x)", "return x.clamp(min=0)", "return x.sum()",
                 "return torch.nn.functional.relu(x)", "return getattr(torch, 'relu')(x)"):
         src = sol(bad).replace("import torch.nn as nn", "import torch.nn as nn\nimport torch.nn.functional as F")
@@ -134,7 +148,7 @@ def test_dispatch_guard_catches_hidden_torch_call(cfg):  # invisible to the stat
 
 def test_rebinding_worker_allow_list_changes_nothing(cfg):
     head = "import sandbox_worker\nsandbox_worker.ALLOWED_OPS = frozenset(list(sandbox_worker.ALLOWED_OPS) + ['relu'])"
-    v = run(sol("return vars(torch)['re' + 'lu'](x)", head=head), cfg)
+    v = run(sol("return vars(torch)['re' + 'lu'](x)", head=head), dynamic_only(cfg))
     assert v.violation and "relu" in v.violation, v.to_dict()
 
 
@@ -142,7 +156,7 @@ def test_profiler_layer_catches_disabled_guard(cfg):
     v = run(sol("""
         from torch.utils._python_dispatch import _disable_current_modes
         with _disable_current_modes():
-            return vars(torch)['re' + 'lu'](x)"""), cfg)
+            return vars(torch)['re' + 'lu'](x)"""), dynamic_only(cfg))
     assert v.violation and "profiler" in v.violation, v.to_dict()
 
 
@@ -150,7 +164,7 @@ def test_inheriting_reference_model(cfg, tmp_path):
     ws = tmp_path / "ws"
     shutil.copytree(RELU_WS, ws)
     (ws / "model_new.py").write_text("from model import Model\n\nclass ModelNew(Model):\n    pass\n")
-    v = run(str(ws), cfg)
+    v = run(str(ws), dynamic_only(cfg))
     assert v.violation and "inherits" in v.violation, v.to_dict()
 
 
@@ -261,7 +275,7 @@ def test_patched_time_module_changes_nothing(pcfg):
 def test_patched_worker_module_changes_nothing(pcfg):
     head = ("import sandbox_worker\nsandbox_worker._perf = lambda: 0.0\nsandbox_worker._sync = lambda: None\n"
             "sandbox_worker.Timer.run = lambda self, fn, *a, **k: ([1e-6], fn(*self.inputs))\n")
-    v = run(sol(SLOW, head=head), pcfg)
+    v = run(sol(SLOW, head=head), dynamic_only(pcfg))
     assert v.correct and v.violation is None and v.candidate_ms >= 9.0, v.to_dict()
 
 
@@ -277,19 +291,19 @@ for o in gc.get_objects():
 
 
 def test_clock_overwritten_in_memory_caught_by_host_wall_clock(pcfg):
-    honest = run(sol(SLOW), pcfg)
+    honest = run(sol(SLOW), dynamic_only(pcfg))
     assert honest.correct and honest.violation is None, honest.to_dict()
-    v = run(sol(SLOW, head=CLOCK_SWAP), pcfg)
+    v = run(sol(SLOW, head=CLOCK_SWAP), dynamic_only(pcfg))
     assert v.violation and "timer mismatch" in v.violation, v.to_dict()
 
 
 # ----------------------------------------------------------------------------- escapes
 def test_fake_verdict_on_stdout_and_result_fd(cfg):
     fake = '{"compiled": true, "correct": true, "violation": null, "error": null, "reward": 3.0}'
-    v = run(sol("print(%r, flush=True)\nreturn torch.from_numpy(np.zeros(tuple(x.shape), np.float32))" % fake), cfg)
+    v = run(sol("print(%r, flush=True)\nreturn torch.from_numpy(np.zeros(tuple(x.shape), np.float32))" % fake), dynamic_only(cfg))
     assert not v.correct and v.reward == -1, v.to_dict()
     head = "import json\nj = json.load(open('job.json'))\nos.write(j['result_fd'], b'X' * 64)\n"
-    v = run(sol(head=head), cfg)
+    v = run(sol(head=head), dynamic_only(cfg))
     assert not v.correct and v.error and "bad frame" in v.error, v.to_dict()
 
 
@@ -324,7 +338,7 @@ def test_network_is_unreachable(cfg):
     th.start()
     socket.create_connection(("127.0.0.1", port), timeout=2).close()  # twin: reachable from the host
     head = f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=2)\nexcept OSError:\n    pass\n"
-    v = run(sol(head=head), cfg)
+    v = run(sol(head=head), dynamic_only(cfg))
     assert v.correct, v.to_dict()
     if sandbox.isolation() in ("bwrap", "unshare"):
         assert len(hits) == 1, "only the host's own connection may arrive"
@@ -441,3 +455,17 @@ def test_static_scan_allows_launchers_named_like_tensor_methods():
     src = _HONEST.replace('load_kernel("relu")', 'load_kernel("k")').replace("lib.relu_forward", "lib.mm")
     assert static_scan(src) is None
     assert "mm" in (static_scan(src.replace("return y", "return x.mm(x)")) or "")
+
+
+def test_other_compute_libraries_are_a_violation(tmp_path):
+    """Seen here before the import allow-list: a numpy ReLU (`np.maximum(x.numpy(), 0)`) earned reward 3 on
+    the cpu backend. Kernels must be the candidate's own; the honest OpenMP twin still passes (other tests)."""
+    from sandbox import static_scan
+    assert static_scan(_HONEST) is None
+    np_relu = _HONEST.replace("import ctypes, torch", "import ctypes, torch\nimport numpy as np").replace(
+        "        y = torch.empty_like(x)\n", "        return torch.from_numpy(np.maximum(x.numpy(), 0))\n")
+    assert "import of 'numpy'" in static_scan(np_relu)
+    for lib in ("cupy", "triton", "numba", "jax", "scipy", "torch.utils.dlpack"):
+        assert "not allowed" in static_scan(_HONEST.replace("import ctypes, torch", f"import ctypes, torch, {lib}"))
+    assert "__import__" in static_scan(_HONEST.replace("return y", "np = __import__('numpy'); return y"))
+    assert ".numpy()" in static_scan(_HONEST.replace("return y", "return x.numpy()"))
