@@ -908,40 +908,12 @@ def _filter_job(codes: list[str], device: str, seed: int, min_ms: float, max_ms:
     return out
 
 
-def _child(fn: str, args: dict, conn):
-    try:
-        mod, name = fn.split(":")
-        conn.send((True, getattr(importlib.import_module(mod), name)(**args), ""))
-    except BaseException as e:   # noqa: BLE001
-        conn.send((False, None, f"{type(e).__name__}: {e}"))
-
-
 def run_isolated(fn: str, args: dict, timeout_s: float, device: str, mem_limit_mb: int = 16384
                  ) -> tuple[bool, object, str]:
-    """sandbox.run_isolated when available; otherwise a spawned child process with a timeout."""
-    try:
-        import sandbox
-        if hasattr(sandbox, "run_isolated"):
-            scfg = sandbox.SandboxConfig(device=device, mem_limit_mb=mem_limit_mb)
-            return sandbox.run_isolated(fn, args, scfg, timeout_s, device)
-    except ImportError:
-        pass
-    import multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    recv, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(fn, args, send), daemon=True)
-    proc.start()
-    send.close()
-    try:
-        if recv.poll(timeout_s):
-            return recv.recv()
-        return False, None, f"timeout after {timeout_s:.0f} s"
-    except EOFError:
-        return False, None, f"child died (exit code {proc.exitcode})"
-    finally:
-        if proc.is_alive():
-            proc.kill()
-        proc.join(5)
+    """Run `module:function`(**args) in the sandbox's isolated child (candidate tasks can crash or hang)."""
+    import sandbox
+    scfg = sandbox.SandboxConfig(device=device, mem_limit_mb=mem_limit_mb)
+    return sandbox.run_isolated(fn, args, scfg, timeout_s, device)
 
 
 def run_chunk(codes: list[str], cfg: SynthConfig, window: tuple[float, float]) -> list[dict]:
