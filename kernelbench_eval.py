@@ -137,6 +137,9 @@ class EvalConfig:
     """host memory per sandbox child, also the candidate's GPU memory cap (KernelBench L1 inputs reach 8 GB)"""
     cache_dir: str = "~/.cache/cuda_agent"
     """sandbox compile + baseline cache (baselines are reused across runs)"""
+    prewarm_workers: int = 8
+    """compile the torch.compile baselines of uncached problems this many at a time before anything is timed
+    (sandbox.prewarm; 0 = off, each problem then compiles inside its timed reference run)"""
     flag_degenerate: bool = True
     """flag known-degenerate problems (L2 23/80/83, L1 94/96/100) in the report"""
     resume: bool = True
@@ -631,6 +634,12 @@ def main(cfg: EvalConfig) -> int:
     if todo:
         scfg = sandbox_config(cfg)
         pool = make_pool(cfg, scfg)
+        if cfg.prewarm_workers > 0 and cfg.profile:  # phase 1: compile in parallel; phase 2 times one per GPU
+            t0 = time.time()
+            wb = tqdm(desc="prewarm torch.compile (uncached problems)", dynamic_ncols=True)
+            warmed = pool.prewarm([p.code for p in todo], cfg.prewarm_workers, on_done=lambda h, err: wb.update(1))
+            wb.close()
+            print(f"prewarm: {len(warmed)} problems compiled in {time.time() - t0:.0f} s")
         bar = tqdm(total=len(todo), desc="kernelbench", dynamic_ncols=True)
         with open(res_path, "a") as fout:
             if fout.tell() > 0:   # a run killed mid-line left a torn last line: start on a fresh line

@@ -104,6 +104,9 @@ class TrainConfig:
     """GPU ids set aside for the sandbox pool (never used for training), comma-separated"""
     sandbox_cpu_slots: int = 2
     """concurrent verify/profile jobs when sandbox_device is cpu (timing is noisier above 1)"""
+    sandbox_prewarm: int = 8
+    """cuda sandbox: before stage 1, compile the torch.compile baselines of uncached tasks this many at a time
+    (sandbox.prewarm), instead of one at a time inside timed checks; 0 = off"""
     bf16: bool = False
     """bf16 weights and activations (GPU)"""
     grad_checkpointing: bool = False
@@ -927,6 +930,13 @@ def _checkpoint(run: Run, stage: int, step: int, force: bool = False) -> None:
     if run.world > 1:
         import torch.distributed as dist
         dist.barrier()
+        # data parallel by hand (_all_reduce_grads): every rank must hold the same weights, or rank 0's
+        # checkpoint silently differs from what the others train. A checksum per role, compared to rank 0's.
+        ps = [adapter_params(run.model, "actor"), adapter_params(run.model, "critic") + list(run.head.parameters())]
+        mine = torch.stack([sum(p.detach().double().sum() for p in g) for g in ps]).to(run.device)
+        ref = mine.clone()
+        dist.broadcast(ref, 0)
+        assert torch.allclose(mine, ref, rtol=1e-9, atol=0), f"rank {run.rank} diverged from rank 0: {mine} vs {ref}"
     if run.rank == 0 and (force or step % run.cfg.checkpoint_every == 0):
         save_checkpoint(run.cfg.run_dir, run.model, run.head, run.opt, stage, step, run.cfg)
 
@@ -1049,10 +1059,14 @@ def _setup(cfg: TrainConfig):
     """(device, rank, world). Multi-GPU: `accelerate launch` starts one process per training GPU."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
+        import torch.distributed as dist
         from accelerate import Accelerator
-        acc = Accelerator()
-        device, rank = acc.device, acc.process_index
-        assert acc.local_process_index not in cfg.sandbox_gpus, "a training GPU is also a sandbox GPU"
+        acc = Accelerator()  # sets up the process group (NCCL on GPUs, gloo on CPUs) and this rank's device
+        # the process group's own rank: under torchrun on CPUs, accelerate 1.x reported process_index 0 on
+        # every rank (both ranks then wrote the same checkpoint file)
+        rank = dist.get_rank() if dist.is_initialized() else acc.process_index
+        device, local = acc.device, int(os.environ.get("LOCAL_RANK", acc.local_process_index))
+        assert device.type == "cpu" or local not in cfg.sandbox_gpus, "a training GPU is also a sandbox GPU"
     else:
         rank = 0
         device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
@@ -1087,6 +1101,10 @@ def train(cfg: TrainConfig) -> int:
         print("[ppo] WARNING: no --sandbox-gpus: kernels are timed on GPU 0 next to training (noisy rewards)")
     pool = sandbox.SandboxPool(sandbox.SandboxConfig(device=cfg.sandbox_device, reward=cfg.reward, seed=cfg.seed),
                                gpus=gpus, cpu_slots=cfg.sandbox_cpu_slots)
+    if cfg.sandbox_device == "cuda" and cfg.sandbox_prewarm > 0:  # nothing is timed yet: compile in parallel
+        t0 = time.time()
+        warmed = pool.prewarm([t["code"] for t in tasks[rank::world]], cfg.sandbox_prewarm)
+        print(f"[ppo] prewarmed {len(warmed)} uncached task baselines in {time.time() - t0:.0f} s", flush=True)
     stage, start, ck = 1, 0, None
     metrics = os.path.join(cfg.run_dir, "metrics.jsonl")
     if cfg.resume:

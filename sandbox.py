@@ -19,7 +19,9 @@ Threat model. COVERED:
   * Result channel: nonce-framed `torch.save` messages on an inherited pipe, read by the host with
     `weights_only=True` (no pickle code execution on the host). stdout/stderr are data only.
   * Reference outputs are computed in a separate child (strict fp32) and never enter the candidate's
-    process; freed CUDA memory is filled with NaN before each candidate forward (Sakana's hack).
+    process; freed CUDA memory is filled with NaN before each candidate forward (Sakana's hack), and
+    the device is synchronised before forward starts, so that fill cannot race a candidate's own stream.
+    Inputs: get_inputs() is called under `torch.device(device)` in both children (same draw, no host copy).
   * Correctness: n_trials fresh seeded inputs (seeds salted per job), allclose AND relative L2 error
     <= rtol (kills "softmax = 1/N"), exact torch.Tensor type/shape/dtype/device, finite where the
     reference is, inputs unmodified, and a final check on the last TIMED iteration, whose inputs come
@@ -280,6 +282,17 @@ class ChildResult:
     stdout: str
     stderr: str
     rc: int | None = None
+    started: float = 0.0         # host monotonic time the child was started
+
+    def phases(self) -> dict:
+        """Seconds from start to each first stage/timing message and to the result (where a check's time goes)."""
+        out, seen = {}, set()
+        for t, m in self.messages:
+            name = m.get("stage") if m.get("type") == "stage" else m.get("type")
+            if name and name not in seen:
+                seen.add(name)
+                out[f"{name}_at_s"] = round(t - self.started, 3)
+        return out
 
 
 def _reader(fd: int, nonce: bytes, out: list, on_msg, state: dict, max_bytes: int):
@@ -366,6 +379,7 @@ def run_child(job: dict, jobdir: str, *, device: str, timeout_s: float, mem_limi
     out_f, err_f = open(os.path.join(jobdir, "stdout"), "w+b"), open(os.path.join(jobdir, "stderr"), "w+b")
     msgs, state = [], {}
     control = os.fdopen(cwfd, "w")
+    t_started = time.monotonic()
 
     def handle(msg):
         if on_msg:
@@ -406,7 +420,7 @@ def run_child(job: dict, jobdir: str, *, device: str, timeout_s: float, mem_limi
         why = state["corrupt"]
     if why is None and result is None and is_worker:
         why = _death_reason(rc, stderr)
-    return ChildResult(result if why is None else None, msgs, why, stage, stdout, stderr, rc)
+    return ChildResult(result if why is None else None, msgs, why, stage, stdout, stderr, rc, t_started)
 
 
 def _visible(gpu: int | None) -> str:
@@ -794,8 +808,8 @@ def _baseline_cache(cfg: SandboxConfig, key: str, value: dict | None = None) -> 
 
 
 def _reference(task_src: str, cfg: SandboxConfig, seeds: list[int], want_baselines: bool,
-               gpu: int | None = None) -> dict:
-    """Run the reference child; returns its result dict or raises TaskError."""
+               gpu: int | None = None, warm: bool = False) -> dict:
+    """Run the reference child; returns its result dict or raises TaskError. `warm`: only compile (prewarm)."""
     jobdir = _new_jobdir()
     try:
         wdir = os.path.join(jobdir, "w")
@@ -805,11 +819,15 @@ def _reference(task_src: str, cfg: SandboxConfig, seeds: list[int], want_baselin
         inductor = os.path.join(os.path.expanduser(cfg.cache_dir), "inductor")
         os.makedirs(inductor, exist_ok=True)
         job = {"kind": "reference", "task_path": os.path.join(wdir, "task.py"), "device": cfg.device,
-               "seeds": seeds, "init_seed": cfg.seed, "baselines": want_baselines, "precision": _precision(cfg),
-               "warmup": cfg.warmup, "iters": cfg.iters}
+               "seeds": seeds, "timing_seed": seeds[0] if seeds else cfg.seed, "init_seed": cfg.seed,
+               "baselines": want_baselines, "precision": _precision(cfg),
+               "warmup": cfg.warmup, "iters": cfg.iters, "warm": warm}
+        env = {"TORCHINDUCTOR_CACHE_DIR": inductor}
+        if warm:  # prewarm runs many children at once: one compile thread each, no worker pool per child
+            env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
         r = run_child(job, jobdir, device=cfg.device, timeout_s=cfg.run_timeout_s + (cfg.compile_timeout_s if
-                      want_baselines else 0), mem_limit_mb=cfg.mem_limit_mb, gpu=gpu, writable=(inductor,),
-                      env={"TORCHINDUCTOR_CACHE_DIR": inductor})
+                      want_baselines or warm else 0), mem_limit_mb=cfg.mem_limit_mb, gpu=gpu, writable=(inductor,),
+                      env=env)
     finally:
         shutil.rmtree(jobdir, ignore_errors=True)
     if r.result is None:
@@ -834,8 +852,46 @@ def baselines(task: str, cfg: SandboxConfig, gpu: int | None = None) -> dict:
     hit = _baseline_cache(cfg, key)
     if hit:
         return hit
-    res = _reference(src, cfg, [cfg.seed], True, gpu)
+    res = _reference(src, cfg, [], True, gpu)  # no seeds: only the timings come back, not the outputs
     return _baseline_cache(cfg, key, _baseline_entry(res, prec, res["device_name"]))
+
+
+def prewarm(tasks: list[str], cfg: SandboxConfig, workers: int = 8, gpus: list[int] | None = None,
+            on_done=None) -> dict[str, str | None]:
+    """Compile the `torch.compile` baseline of every task whose baselines are not cached yet, `workers` tasks
+    at a time, so that the timed baseline run later finds inductor's FX-graph and Triton caches warm.
+
+    Why: a cold inductor compile of one KernelBench problem takes 20-60 s of CPU, and it happens inside the
+    timed reference run, which holds the GPU slot (timing never shares a GPU). Compiling needs no
+    exclusivity, so it is done here for many tasks at once. Nothing is timed here and nothing is cached
+    in baselines.json. **Never call it while anything is being timed on the same GPUs**: callers
+    (kernelbench_eval, the trainer, the baseline bench) call it before their first check.
+    Returns {sha256 of the task source: None | one-line error}; `on_done(sha, err)` is called per task.
+    """
+    todo = {}
+    for t in tasks:
+        src = _read_task(t)
+        h = hashlib.sha256(src.encode()).hexdigest()
+        dev = _device_name(cfg.device, (gpus or [None])[0])
+        if cfg.profile and _baseline_cache(cfg, f"{h}|{dev}|{_precision(cfg)}") is None:
+            todo[h] = src
+    out: dict[str, str | None] = {}
+    slots = gpus or [None]
+
+    def one(i_h):
+        i, h = i_h
+        try:
+            _reference(todo[h], cfg, [], False, slots[i % len(slots)], warm=True)
+            err = None
+        except TaskError as e:
+            err = str(e)
+        if on_done:
+            on_done(h, err)
+        return h, err
+    if todo:
+        with cf.ThreadPoolExecutor(max_workers=max(1, workers)) as ex:
+            out.update(ex.map(one, enumerate(todo)))
+    return out
 
 
 _TASK_OK: set[str] = set()
@@ -934,13 +990,17 @@ def _run_check(src: str, solution: str, cfg: SandboxConfig, v: Verdict, compile_
             dev = _device_name(cfg.device, gpu)
             key = f"{hashlib.sha256(src.encode()).hexdigest()}|{dev}|{v.precision}"
             base = _baseline_cache(cfg, key) if cfg.profile else None
+            t_ref = time.perf_counter()
             ref, seeds, final_seed = _reference_pool(src, cfg, cfg.profile and base is None, gpu, dev)
+            t_cand = time.perf_counter()
             v.device = ref["device_name"]
             if cfg.profile and base is None:
                 base = _baseline_cache(cfg, key, _baseline_entry(ref, v.precision, v.device))
             import torch
             torch.save(ref["state_dict"], os.path.join(wdir, "state_dict.pt"))
             r = _run_candidate(form, cand, wdir, jobdir, seeds, final_seed, cfg, gpu, src)
+            v.timings.update({"reference_s": round(t_cand - t_ref, 3),  # where a check's time goes
+                              "candidate_s": round(time.perf_counter() - t_cand, 3)})
         _judge(r, ref, base, seeds, final_seed, cfg, v, form)
     finally:
         shutil.rmtree(jobdir, ignore_errors=True)
@@ -948,7 +1008,8 @@ def _run_check(src: str, solution: str, cfg: SandboxConfig, v: Verdict, compile_
 
 REF_POOL_EXTRA = 4      # a reference pool holds n_trials + 1 + this many seeds
 REF_POOL_MAX_USES = 50  # checks served by one pool before it is recomputed (0: a fresh reference per check)
-REF_POOL_MAX_MB = 256   # pools whose outputs are larger than this are not kept
+REF_POOL_MAX_MB = 2048  # pools whose outputs are larger than this are not kept (KernelBench L1: up to ~60 GB)
+REF_POOL_TOTAL_MB = 8192  # host RAM for all kept pools; the oldest are dropped beyond it
 _REF_POOLS: dict = {}
 _REF_LOCK = threading.Lock()
 
@@ -977,8 +1038,8 @@ def _reference_pool(src: str, cfg: SandboxConfig, want_baselines: bool, gpu, dev
         mb = sum(t.numel() * t.element_size() for outs in ref["outputs"].values() for t in outs) / 2**20
         if REF_POOL_MAX_USES > 0 and mb <= REF_POOL_MAX_MB:
             with _REF_LOCK:
-                _REF_POOLS[key] = {"ref": {k: v for k, v in ref.items() if k != "baselines"}, "uses": 1}
-                while len(_REF_POOLS) > 16:
+                _REF_POOLS[key] = {"ref": {k: v for k, v in ref.items() if k != "baselines"}, "uses": 1, "mb": mb}
+                while len(_REF_POOLS) > 1 and sum(e["mb"] for e in _REF_POOLS.values()) > REF_POOL_TOTAL_MB:
                     _REF_POOLS.pop(next(iter(_REF_POOLS)))
     picked = secrets.SystemRandom().sample(sorted(ref["outputs"]), need)
     return ref, picked[:-1], picked[-1]  # the final seed reaches the candidate only once timing started
@@ -1013,6 +1074,7 @@ def _run_candidate(form, cand, wdir, jobdir, seeds, final_seed, cfg, gpu, src) -
 def _judge(r: ChildResult, ref: dict, base: dict | None, seeds, final_seed, cfg, v: Verdict, form: str):
     """Turn the candidate child's report into the verdict (host-side comparison)."""
     err = "\n".join(ln for ln in r.stderr.splitlines() if not ln.startswith("USDT:"))  # profiler noise
+    v.timings["candidate_phases"] = r.phases()  # e.g. verify_at_s: torch import + CUDA init + candidate load
     v.timings["log"] = (err[-1500:] + ("\n[stdout]\n" + r.stdout[-500:] if r.stdout.strip() else "")).strip()
     if r.result is None:
         v.stage, v.error = r.stage or "load", f"candidate {r.error}"
@@ -1079,8 +1141,8 @@ def _timing(r: ChildResult, res: dict, base: dict, v: Verdict):
 
 
 # ----------------------------------------------------------------------------- generic isolated call, pool
-def run_isolated(fn: str, args: dict, cfg: SandboxConfig, timeout_s: float, device: str = "cpu"
-                 ) -> tuple[bool, object, str]:
+def run_isolated(fn: str, args: dict, cfg: SandboxConfig, timeout_s: float, device: str = "cpu",
+                 env: dict | None = None) -> tuple[bool, object, str]:
     """Run `module:function`(**args) in a sandbox child; the result must be plain data (dict/list/str/
     numbers/tensors: it is read with torch.load(weights_only=True)). Returns (ok, result, error)."""
     import pickle
@@ -1092,7 +1154,7 @@ def run_isolated(fn: str, args: dict, cfg: SandboxConfig, timeout_s: float, devi
             pickle.dump(args, f)
         r = run_child({"kind": "call", "fn": fn, "args_path": os.path.join(wdir, "args.pkl"), "device": device},
                       jobdir, device=device, timeout_s=timeout_s, mem_limit_mb=cfg.mem_limit_mb,
-                      hide=(os.path.expanduser(cfg.cache_dir),))
+                      hide=(os.path.expanduser(cfg.cache_dir),), env=env or {})
     finally:
         shutil.rmtree(jobdir, ignore_errors=True)
     if r.result is None:
@@ -1112,6 +1174,7 @@ class SandboxPool:
         import queue
         self.cfg = cfg
         slots = (gpus or [0]) if cfg.device == "cuda" else [None] * cpu_slots
+        self.gpus = list(gpus or [0]) if cfg.device == "cuda" else None
         self._free: queue.Queue = queue.Queue()
         for s in slots:
             self._free.put(s)
@@ -1134,6 +1197,10 @@ class SandboxPool:
 
     def submit(self, task: str, solution: str, cfg: SandboxConfig | None = None) -> cf.Future:
         return self._ex.submit(_check, task, solution, cfg or self.cfg, self._compile_gate, self._device_gate)
+
+    def prewarm(self, tasks: list[str], workers: int, on_done=None) -> dict[str, str | None]:
+        """sandbox.prewarm on this pool's GPUs; call it before the first check (nothing may be timed meanwhile)."""
+        return prewarm(tasks, self.cfg, workers, self.gpus, on_done)
 
     def compile(self, ws: str) -> cf.Future:
         def job():

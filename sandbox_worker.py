@@ -136,7 +136,11 @@ def _load_task(path: str):
 def _make_inputs(task, seed: int, device: str) -> list:
     import torch
     torch.manual_seed(seed)
-    xs = task.get_inputs()
+    # Factory calls in get_inputs() allocate on `device` directly: KernelBench level-1 inputs reach several GB,
+    # and drawing them on the CPU then copying took most of a check (values differ from a CPU draw, but the
+    # reference and the candidate draw the same way, which is all that matters).
+    with torch.device(device):
+        xs = task.get_inputs()
     if not isinstance(xs, (list, tuple)):
         raise ValueError(f"get_inputs() must return a list, got {type(xs).__name__}")
     bad = [type(x).__name__ for x in xs if not isinstance(x, torch.Tensor)]
@@ -234,6 +238,8 @@ def run_reference(job: dict, ch: Channel):
         torch.manual_seed(job["init_seed"])
         init = task.get_init_inputs()
         model = task.Model(*init).to(device)
+        if job.get("warm"):
+            return ch.send(_warm_compile(task, model, job))
         outs, kind = {}, None
         _set_precision(False)
         for seed in job["seeds"]:
@@ -255,9 +261,27 @@ def run_reference(job: dict, ch: Channel):
     ch.send(res)
 
 
+def _warm_compile(task, model, job: dict) -> dict:
+    """Prewarm (sandbox.prewarm): one eager and one compiled forward under the baseline's precision and grad
+    mode, so inductor's on-disk caches hold this graph when the baselines are timed. Nothing is timed."""
+    import torch
+    device = job["device"]
+    _set_precision(job["precision"] == "tf32")
+    xs = _make_inputs(task, job["timing_seed"], device)
+    res = {"type": "result", "warmed": True, "compile_error": None}
+    with torch.no_grad():
+        model(*xs)
+        try:
+            torch.compile(model)(*xs)
+        except BaseException as e:  # noqa: BLE001 - the timed run records the same error
+            res["compile_error"] = _one_line(e)
+    _sync()
+    return res
+
+
 def _time_baselines(task, model, job: dict) -> dict:
     import torch
-    device, seed = job["device"], job["seeds"][0]
+    device, seed = job["device"], job["timing_seed"]
     _set_precision(job["precision"] == "tf32")
     xs = _make_inputs(task, seed, device)
     timer = Timer(task, xs, device, seed)
@@ -345,6 +369,8 @@ def _forward_checked(model, xs, guard_cls, device, sync):
     if device == "cuda":  # Sakana: freed memory is garbage, not a reference output or a previous result
         junk = torch.empty(64 * 2**20, dtype=torch.float32, device=device).fill_(float("nan"))
         del junk
+        sync()  # the harness's own queued work (inputs, copies, this fill) ends before the candidate's starts,
+        # so a candidate on its own stream does not race it (that would be our bug, not the candidate's)
     py_before = set(threading.enumerate())
     guard = guard_cls()
     try:
@@ -372,7 +398,8 @@ def run_candidate(job: dict, ch: Channel):
         torch.cuda.set_per_process_memory_fraction(job.get("gpu_mem_fraction", 0.9))
     _set_precision(job["precision"] == "tf32")
     task = _load_task(job["task_path"])
-    trial_inputs = [_make_inputs(task, s, "cpu") for s in job["seeds"]]  # on device one trial at a time
+    trial_inputs = [_make_inputs(task, s, device) for s in job["seeds"]]  # drawn as the reference draws them
+    ch.send({"type": "stage", "stage": "load"})  # torch imported, CUDA up, inputs drawn (timestamped by the host)
     torch.randn(1 << 20).mul_(2).sum()  # start torch's own intra-op thread pool before the thread checks
     guard_cls = _guard_cls()
     snapshot = _snapshot()
@@ -446,9 +473,7 @@ def _verify(model, task, trial_inputs, guard_cls, job, clocks) -> dict:
     # layer 2: the profiler's record of aten ops, without the dispatch guard
     try:
         xs = [x.to(device) for x in trial_inputs[0]]
-        with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            model(*xs)
-        names = {e.name for e in prof.events()}
+        names = _profiled_ops(model, xs)
     except BaseException as e:  # noqa: BLE001
         return {"error": f"forward raised under the profiler: {_one_line(e)}"}
     res["profiler_ops"] = sorted(n for n in names if n.startswith("aten::"))  # the host re-checks these
@@ -456,6 +481,27 @@ def _verify(model, task, trial_inputs, guard_cls, job, clocks) -> dict:
     if bad:
         res["violation"] = f"aten op {bad[0]} seen by the profiler inside forward"
     return res
+
+
+def _profiled_ops(model, xs) -> set:
+    """Names of the ops the profiler saw in one forward. Both profilers hook RecordFunction in the
+    dispatcher, so aten calls from C++ extensions are seen too. The legacy (non-Kineto) one costs ~2 ms;
+    Kineto's first use costs 2-5 s per process (measured: 2.0 s on the CI CPU), a large share of a check."""
+    import torch
+    try:  # probe the legacy profiler with nothing inside: a torch without it falls back to Kineto
+        with torch.autograd.profiler.profile(use_kineto=False):
+            pass
+        legacy = True
+    except Exception:  # noqa: BLE001
+        legacy = False
+    with torch.no_grad():
+        if legacy:
+            with torch.autograd.profiler.profile(use_kineto=False) as prof:
+                model(*xs)
+            return {e.name for e in prof.function_events}
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            model(*xs)
+        return {e.name for e in prof.events()}
 
 
 def _nan_equal(a, b) -> bool:

@@ -20,7 +20,10 @@ What it does
      nondegenerate (finite; not constant; not all |y| < 0.01; outputs for two input sets differ beyond
      the 1e-2 verification tolerance), runtime (eager ms in [min_ms, max_ms]), runs_compile (torch.compile
      runs and agrees with eager). Execution filters run in isolated child processes (sandbox.run_isolated),
-     several candidates per child; a crashing chunk is re-run one candidate at a time.
+     several candidates per child; a crashing chunk is re-run one candidate at a time. Calibration
+     (`--calibrate`, default on): a candidate below min_ms gets its `batch_size` times 2^k
+     (`calibrated_code`) and is filtered again, up to twice. On an H200 without it, 177 of 188 candidates
+     ran under 1 ms (median 0.076 ms); with it, 156 of 168 were accepted (README).
   4. Output: JSONL rows {code, ops, data_source, eager_ms, compile_ms, device, hash, seed, index} in
      candidate order, `<out>.manifest.json` (command, seed, versions, counts per category, rejections
      per filter, catalogue report), `<out>.progress.jsonl` (resume). Candidate i is drawn from its own
@@ -127,6 +130,10 @@ class SynthConfig:
     """untimed eager runs before timing"""
     iters: int = 10
     """timed eager runs (median is reported)"""
+    calibrate: bool = True
+    """grow the batch of a candidate that runs under min_ms by a power of two (inputs up to 2^29 elements)
+    and filter it again, as a user sizes a task for the target GPU; the timing-dependent size means the
+    same seed gives the same file only on the same kind of device (--no-calibrate: everywhere)"""
     timings: bool = True
     """record eager_ms/compile_ms in the JSONL (off: the same seed gives a byte-identical file)"""
     resume: bool = True
@@ -876,52 +883,86 @@ def filter_runs_compile(p: Prepared, backend: str = "inductor", warmup: int = 3,
     return True, ""
 
 
+MAX_CALIBRATED_NUMEL = 2 ** 29   # calibration stops growing the batch at this many input elements (2 GiB fp32)
+
+
+def calibrated_code(code: str, numel: int, ms: float, min_ms: float, max_ms: float) -> tuple[str, int] | None:
+    """(code with `batch_size` times 2^k, 2^k) aiming at ~2*min_ms (inside the window), or None if the task
+    has no module-level batch_size or cannot grow. Runtime scales ~linearly with the batch once the GPU is
+    busy; a launch-bound candidate needs more than one round (the caller allows two)."""
+    m = re.search(r"^batch_size = (\d+)$", code, re.M)
+    if not m or ms <= 0 or ms >= min_ms:
+        return None
+    target = min(2 * min_ms, math.sqrt(min_ms * max_ms))
+    f = 2 ** math.ceil(math.log2(target / ms))
+    while f > 1 and numel * f > MAX_CALIBRATED_NUMEL:
+        f //= 2
+    if f < 2:
+        return None
+    return code[:m.start()] + f"batch_size = {int(m.group(1)) * f}" + code[m.end():], f
+
+
 def _filter_job(codes: list[str], device: str, seed: int, min_ms: float, max_ms: float, backend: str,
-                warmup: int, iters: int) -> list[dict]:
-    """Runs in an isolated child: the execution filters, in order, on each candidate of a chunk."""
+                warmup: int, iters: int, calibrate: bool = False) -> list[dict]:
+    """Runs in an isolated child: the execution filters, in order, on each candidate of a chunk. With
+    `calibrate`, a candidate faster than min_ms is resized (calibrated_code) and filtered again, twice at
+    most; its result then carries the new `code` and the total `batch_factor`."""
     import torch
     import torch._inductor.config as inductor_config
     inductor_config.compile_threads = 1   # parallelism comes from several children, not compile pools
     out = []
     for code in codes:
         r = {"ok": False, "filter": "runs_eager", "reason": "", "eager_ms": None, "compile_ms": None}
-        try:
-            p = prepare(code, device, seed)
-            steps = [("runs_eager", lambda: filter_runs_eager(p)), ("deterministic", lambda: filter_deterministic(p)),
-                     ("nondegenerate", lambda: filter_nondegenerate(p)),
-                     ("runtime", lambda: filter_runtime(p, min_ms, max_ms, warmup, iters)),
-                     ("runs_compile", lambda: filter_runs_compile(p, backend, warmup, iters))]
-            for name, f in steps:
-                r["filter"] = name
-                ok, r["reason"] = f()
-                if not ok:
-                    break
-            else:
-                r.update(ok=True, filter=None)
-            r["eager_ms"], r["compile_ms"] = p.info.get("eager_ms"), p.info.get("compile_ms")
-        except Exception as e:   # noqa: BLE001 - a broken task is a rejection, never a crash of the job
-            r["reason"] = f"{type(e).__name__}: {str(e)[:160]}"
+        for attempt in range(3 if calibrate else 1):
+            p, grown = None, None
+            try:
+                p = prepare(code, device, seed)
+                steps = [("runs_eager", lambda: filter_runs_eager(p)),
+                         ("deterministic", lambda: filter_deterministic(p)),
+                         ("nondegenerate", lambda: filter_nondegenerate(p)),
+                         ("runtime", lambda: filter_runtime(p, min_ms, max_ms, warmup, iters)),
+                         ("runs_compile", lambda: filter_runs_compile(p, backend, warmup, iters))]
+                for name, f in steps:
+                    r["filter"] = name
+                    ok, r["reason"] = f()
+                    if not ok:
+                        break
+                else:
+                    r.update(ok=True, filter=None)
+                r["eager_ms"], r["compile_ms"] = p.info.get("eager_ms"), p.info.get("compile_ms")
+                if r["filter"] == "runtime" and attempt < 2 and calibrate:
+                    grown = calibrated_code(code, sum(x.numel() for x in p.inputs), r["eager_ms"], min_ms, max_ms)
+            except Exception as e:   # noqa: BLE001 - a broken task is a rejection, never a crash of the job
+                r["reason"] = f"{type(e).__name__}: {str(e)[:160]}"
+            p = None
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
+            if grown is None:
+                break
+            code = grown[0]
+            r.update(code=code, batch_factor=r.get("batch_factor", 1) * grown[1])
         out.append(r)
-        p = None
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
     return out
 
 
-def run_isolated(fn: str, args: dict, timeout_s: float, device: str, mem_limit_mb: int = 16384
-                 ) -> tuple[bool, object, str]:
-    """Run `module:function`(**args) in the sandbox's isolated child (candidate tasks can crash or hang)."""
+def run_isolated(fn: str, args: dict, timeout_s: float, device: str, mem_limit_mb: int = 16384,
+                 workers: int = 1) -> tuple[bool, object, str]:
+    """Run `module:function`(**args) in the sandbox's isolated child (candidate tasks can crash or hang).
+    With `workers` children at once, each gets a share of the cores for inductor's compile threads."""
     import sandbox
     scfg = sandbox.SandboxConfig(device=device, mem_limit_mb=mem_limit_mb)
-    return sandbox.run_isolated(fn, args, scfg, timeout_s, device)
+    threads = max(1, (os.cpu_count() or 1) // max(1, workers))
+    return sandbox.run_isolated(fn, args, scfg, timeout_s, device, env={"TORCHINDUCTOR_COMPILE_THREADS": str(threads)})
 
 
 def run_chunk(codes: list[str], cfg: SynthConfig, window: tuple[float, float]) -> list[dict]:
     """Filter a chunk in one child; if the child crashes or times out, retry one candidate at a time."""
     args = {"device": cfg.device, "seed": cfg.seed, "min_ms": window[0], "max_ms": window[1],
-            "backend": cfg.compile_backend, "warmup": cfg.warmup, "iters": cfg.iters}
+            "backend": cfg.compile_backend, "warmup": cfg.warmup, "iters": cfg.iters, "calibrate": cfg.calibrate}
     ok, res, err = run_isolated("synth:_filter_job", {"codes": codes, **args}, cfg.timeout_s, cfg.device,
-                                cfg.mem_limit_mb)
+                                cfg.mem_limit_mb, cfg.workers)
     if ok:
         return res
     if len(codes) == 1:
@@ -1104,7 +1145,7 @@ def _command(cfg: SynthConfig) -> str:
 def _run_key(cfg: SynthConfig) -> str:
     """Hash of the settings that decide the output (resume refuses to mix runs with different ones)."""
     keep = ("seed", "device", "scale", "min_ms", "max_ms", "mix", "pointwise_frac", "composer", "model",
-            "kernelbench_dir", "contamination_threshold", "use_transformers", "compile_backend", "timings")
+            "kernelbench_dir", "contamination_threshold", "use_transformers", "compile_backend", "timings", "calibrate")
     return hashlib.sha256(json.dumps({k: getattr(cfg, k) for k in keep}).encode()).hexdigest()[:16]
 
 
@@ -1227,7 +1268,7 @@ def main(cfg: SynthConfig) -> int:
             if cfg.n_tasks is not None and len(rows) >= cfg.n_tasks:
                 return
             v = static[nxt] or results.pop(nxt)
-            c = cands[nxt]
+            c = cands[nxt] and {**cands[nxt], "code": v.get("code", cands[nxt]["code"])}  # calibrated size
             rec = {"index": nxt, "ok": v["ok"], "filter": v.get("filter"), "reason": v.get("reason", ""),
                    "data_source": c["data_source"] if c else None, "hash": source_hash(c["code"]) if c else None}
             if v["ok"]:
@@ -1235,6 +1276,8 @@ def main(cfg: SynthConfig) -> int:
                        "device": cfg.device, "seed": cfg.seed}
                 if cfg.timings:
                     row.update(eager_ms=round(v["eager_ms"], 4), compile_ms=round(v["compile_ms"], 4))
+                if v.get("batch_factor"):
+                    row["batch_factor"] = v["batch_factor"]
                 row.update(spec=c["spec"], code=c["code"])
                 rows.append(row)
                 fout.write(json.dumps(row) + "\n")

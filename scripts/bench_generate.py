@@ -229,7 +229,7 @@ def main(cfg: BenchConfig) -> int:
         plain_s = f"{r['plain_s']:.2f}" if "plain_s" in r else "-"
         print(f"| {r['turn']} | {r['mean_context']:.0f} | {plain_s} | {r['engine_s']:.2f} | "
               f"{r.get('plain_tokens', '-')} | {r['engine_tokens']} | {r.get('identical_rows', '-')} |")
-    print(f"\n| metric | value |\n|---|---:|")
+    print("\n| metric | value |\n|---|---:|")
     if k:
         print(f"| plain tok/s (turns 0..{k - 1}) | {res['plain_tok_s_first_k']:.1f} |")
         print(f"| engine tok/s (turns 0..{k - 1}) | {res['engine_tok_s_first_k']:.1f} |")

@@ -152,6 +152,13 @@ def main() -> int:
             verdicts.append(sandbox.check(task, ws, cfg))
         dt = time.perf_counter() - t
         res["checks_per_min"] = 60 * args.checks / dt
+        # where a check's time goes: the reference child (0 when its output pool is reused) and the candidate child
+        res["reference_s_median"] = statistics.median(v.timings.get("reference_s", 0) for v in verdicts)
+        res["candidate_s_median"] = statistics.median(v.timings.get("candidate_s", 0) for v in verdicts)
+        res["candidate_phases"] = [v.timings.get("candidate_phases") for v in verdicts]
+        print(f"checks/min {res['checks_per_min']:.1f}; per check: reference {res['reference_s_median']:.2f} s, "
+              f"candidate child {res['candidate_s_median']:.2f} s; its phases (s from start): "
+              f"{res['candidate_phases'][-1]}", flush=True)
         res["all_correct"] = all(v.correct for v in verdicts)
         # (3) spread of repeated timings of one kernel
         cands = [v.candidate_ms for v in verdicts[: args.repeats]]
@@ -168,6 +175,8 @@ def main() -> int:
     print(f"| load_inline build of the same kernel | {'skipped' if li is None else f'{li:.1f} s'} |")
     print(f"| checks per minute (one device, cached baselines, {rows}x{cols} relu) | {res['checks_per_min']:.1f} |")
     print(f"| first check (computes baselines) | {res['first_check_s']:.1f} s |")
+    print(f"| per check, median: reference child / candidate child | {res['reference_s_median']:.2f} s / "
+          f"{res['candidate_s_median']:.2f} s |")
     print(f"| candidate ms median over checks | {statistics.median(cands):.4f} |")
     print(f"| CV of candidate_ms across {len(cands)} checks | {res['cv_across_checks']:.3f} |")
     print(f"| CV within a check ({args.iters} iters, median) | {res['cv_within_check_median']:.3f} |")

@@ -4,21 +4,26 @@
 #
 #   scripts/device_run.sh env gpu-tests sandbox      # pick sections; default: all, in the order below
 #
-# Sections: env, gpu-tests, sandbox, kb-baselines, kb-samples, synth, generate, generate-a3b, ppo, train-tiny.
-# Each section runs under its own time limit; logs go to $OUT/device.log, JSON results to $OUT/results.tgz.
-# KernelBench problem files are read from .carry/KernelBench (not committed: the user supplies a checkout).
+# Sections: env, gpu-tests, cpu-suite, sandbox, kb-baselines, kb-samples, synth, generate, generate-a3b, ppo,
+# train-tiny, train-ddp. Each section runs under its own time limit; logs go to $OUT/device$TAG.log, JSON
+# results to $OUT/results$TAG.tgz. KernelBench problem files are read from .carry/KernelBench (not committed:
+# the user supplies a checkout).
+# Two lanes on a 2-GPU machine (each lane its own GPU, log, results and cache; timing never shares a GPU):
+#   TAG=_g0 CUDA_VISIBLE_DEVICES=0 scripts/device_run.sh kb-baselines & \
+#   TAG=_g1 CUDA_VISIBLE_DEVICES=1 scripts/device_run.sh synth; wait
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/cuda_agent_out}
-RES=/tmp/cuda_agent_results
+TAG=${TAG:-}
+RES=/tmp/cuda_agent_results$TAG
 mkdir -p "$OUT" "$RES"
-export PYTHONUNBUFFERED=1 CUDA_AGENT_CACHE=/tmp/cuda_agent_cache
-LOG="$OUT/device.log"
+export PYTHONUNBUFFERED=1 CUDA_AGENT_CACHE=/tmp/cuda_agent_cache$TAG
+LOG="$OUT/device$TAG.log"
 KB=${KB:-.carry}   # a folder holding KernelBench/level{N}/
 
 # bubblewrap is not on the GPU image: unpack the carried Debian package (a single static-ish binary).
 if ! command -v bwrap >/dev/null 2>&1 && ls .carry/debs/bubblewrap*.deb >/dev/null 2>&1; then
-  dpkg -x .carry/debs/bubblewrap*.deb /tmp/bwrap_root && export PATH=/tmp/bwrap_root/usr/bin:$PATH
+  dpkg -x .carry/debs/bubblewrap*.deb /tmp/bwrap_root$TAG && export PATH=/tmp/bwrap_root$TAG/usr/bin:$PATH
 fi
 
 section() {  # name, time limit (s), command...
@@ -42,6 +47,10 @@ fi
 if want gpu-tests; then
   section gpu-tests "${T_TESTS:-420}" python3 -m pytest -q -m gpu --timeout 240 -p no:cacheprovider ${GPU_TESTS:-tests/}
 fi
+if want cpu-suite; then  # the CPU adversarial suite on this image's Python/torch (no GPU visible to it)
+  section cpu-suite "${T_CPU:-420}" env CUDA_VISIBLE_DEVICES= python3 -m pytest -q -m "not gpu and not slow" \
+    -n "${CPU_WORKERS:-6}" --timeout 300 -p no:cacheprovider ${CPU_TESTS:-tests/test_sandbox.py tests/test_reward.py tests/test_cli.py}
+fi
 if want sandbox; then
   section sandbox "${T_SBX:-420}" python3 scripts/bench_sandbox.py --device cuda ${SBX_ARGS:-} --out "$RES/bench_sandbox.json"
 fi
@@ -55,7 +64,7 @@ if want kb-samples; then
     --samples-dir scripts/kb_samples --device cuda --cache-dir "$CUDA_AGENT_CACHE" --out "$RES/kb_samples"
 fi
 if want synth; then
-  section synth "${T_SYN:-420}" python3 scripts/bench_synth.py --device cuda --n-candidates 200 --out-dir "$RES/bench_synth"
+  section synth "${T_SYN:-420}" python3 scripts/bench_synth.py --device cuda --n-candidates 200 ${SYN_ARGS:-} --out-dir "$RES/bench_synth"
 fi
 if want generate; then
   section generate "${T_GEN:-300}" python3 scripts/bench_generate.py --preset small ${GEN_ARGS:-} --out "$RES/bench_generate_small.json"
@@ -67,8 +76,13 @@ if want ppo; then
   section ppo "${T_PPO:-480}" python3 scripts/bench_ppo.py --device cuda ${PPO_ARGS:-} --out "$RES/bench_ppo.json"
 fi
 if want train-tiny; then
-  section train-tiny "${T_TRAIN:-480}" python3 cuda_agent.py train --device cuda --sandbox-device cuda --run-dir "$RES/train_tiny"
+  section train-tiny "${T_TRAIN:-480}" python3 cuda_agent.py train --device cuda --sandbox-device cuda \
+    --run-dir "$RES/train_tiny" --tensorboard ${TRAIN_ARGS:-}
+fi
+if want train-ddp; then  # data-parallel over every visible GPU; the sandbox on CPU so no GPU times next to training
+  section train-ddp "${T_DDP:-420}" accelerate launch --multi_gpu --num_processes "${DDP_PROCS:-2}" --mixed_precision no \
+    cuda_agent.py train --device cuda --sandbox-device cpu --run-dir "$RES/train_ddp" ${DDP_ARGS:-}
 fi
 
-tar -czf "$OUT/results.tgz" -C "$RES" . 2>/dev/null
-echo "=== done $(date +%T); results in results.tgz" | tee -a "$LOG"
+tar -czf "$OUT/results$TAG.tgz" -C "$RES" . 2>/dev/null
+echo "=== done $(date +%T); results in results$TAG.tgz" | tee -a "$LOG"

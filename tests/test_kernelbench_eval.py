@@ -47,6 +47,10 @@ class FakePool:
     def __init__(self, fixed, crash=()):
         self.fixed, self.crash, self.submitted, self.closed = fixed, set(crash), [], False
 
+    def prewarm(self, tasks, workers, on_done=None):  # the real one compiles baselines; nothing to do here
+        self.prewarmed = len(tasks)
+        return {}
+
     def submit(self, task, solution, cfg=None):
         name = os.path.basename(solution)
         self.submitted.append(name)

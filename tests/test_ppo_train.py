@@ -85,3 +85,22 @@ def test_kill_mid_stage_then_resume_loses_no_step(tmp_path):
     assert all(r["sft_nll"] > 0 for r in s2[1:])
     s3 = [r for r in rows if r["stage"] == 3]
     assert all("heldout_explained_variance" in r for r in s3)
+
+
+@pytest.mark.slow
+def test_two_process_data_parallel_run(tmp_path):
+    """torchrun with 2 CPU processes (gloo): what `accelerate launch` does on GPUs. Each rank must report its
+    own rank, every stage must finish, and ppo._checkpoint's per-step checksum must find the ranks in sync
+    (it raises otherwise). This caught both ranks believing they were rank 0 and racing on checkpoint.pt."""
+    kw = dict(SMALL, run_dir=str(tmp_path / "ddp"), batch_size=4, rft_rollouts=4)
+    script = tmp_path / "run.py"
+    script.write_text(SCRIPT.format(root=ROOT))
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                        "--master_port", str(29500 + os.getpid() % 1000), str(script), json.dumps(kw)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=900)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert "rank 0/2" in out and "rank 1/2" in out, out[-3000:]
+    assert os.path.exists(tmp_path / "ddp" / "checkpoint.pt") and "==== stage 4)" in out
+    ranks = {json.loads(line).get("stage") for line in open(tmp_path / "ddp" / "metrics.jsonl")}
+    assert ranks >= {1, 3, 4}, ranks

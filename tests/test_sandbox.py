@@ -351,14 +351,16 @@ def test_network_is_unreachable(cfg):
     ("ctypes.string_at(0)", "SIGSEGV"),
     ("while True:\n    pass", "timed out"),
     ("bufs = []\nfor _ in range(12):\n    bufs.append(np.ones(512 << 17))\nreturn torch.from_numpy(bufs[0])",
-     "memory limit exceeded"),  # the host's RSS watch, well before RLIMIT_AS (limit + 4 GiB)
+     "memory limit exceeded|memoryerror"),  # the host's RSS watch, or RLIMIT_AS (limit + 4 GiB) where torch
+    # maps more address space at import (the H200 image: the 512 MiB allocation that crosses it raises)
 ])
 def test_process_deaths_become_verdicts(cfg, body, why):
     import dataclasses
     c = dataclasses.replace(cfg, run_timeout_s=20 if why == "timed out" else 120, compile_timeout_s=1,
                             mem_limit_mb=1024)
     v = run(sol(body), c)
-    assert not v.correct and v.reward == -1 and why.lower() in (v.error or "").lower(), v.to_dict()
+    assert not v.correct and v.reward == -1 and any(w in (v.error or "").lower() for w in why.lower().split("|")), \
+        v.to_dict()
 
 
 def test_cannot_read_baseline_cache_or_sandbox_root(pcfg):
@@ -469,3 +471,19 @@ def test_other_compute_libraries_are_a_violation(tmp_path):
         assert "not allowed" in static_scan(_HONEST.replace("import ctypes, torch", f"import ctypes, torch, {lib}"))
     assert "__import__" in static_scan(_HONEST.replace("return y", "np = __import__('numpy'); return y"))
     assert ".numpy()" in static_scan(_HONEST.replace("return y", "return x.numpy()"))
+
+
+def test_prewarm_fills_inductor_cache_only(tmp_path):
+    """sandbox.prewarm compiles in parallel but times nothing: the inductor cache fills, baselines.json does
+    not; a broken task gives its one-line error; tasks with cached baselines are skipped."""
+    import hashlib
+    c = SandboxConfig(cache_dir=str(tmp_path / "cache"), run_timeout_s=120)
+    bad = SOFTMAX_TASK.replace("torch.softmax(x, dim=1)", "x.no_such_method()")
+    out = sandbox.prewarm([SOFTMAX_TASK, bad], c, workers=2)
+    h = hashlib.sha256(SOFTMAX_TASK.encode()).hexdigest()
+    assert out[h] is None and "no_such_method" in out[hashlib.sha256(bad.encode()).hexdigest()]
+    inductor = tmp_path / "cache" / "inductor"
+    assert any(p.is_file() for p in inductor.rglob("*")), "prewarm left the inductor cache empty"
+    assert not (tmp_path / "cache" / "baselines.json").exists()
+    sandbox._baseline_cache(c, f"{h}|cpu|{sandbox._precision(c)}", {"eager_ms": 1.0})
+    assert sandbox.prewarm([SOFTMAX_TASK], c) == {}

@@ -196,6 +196,28 @@ def test_filter_runtime():
     assert not synth.filter_runtime(p, 1e5, 1e6, warmup=1, iters=3)[0], "too fast for the window"
 
 
+def test_calibrated_code_grows_the_batch_by_a_power_of_two():
+    code = "import torch\nbatch_size = 16\nfeatures = 1024\n"
+    new, f = synth.calibrated_code(code, 16 * 1024, ms=0.05, min_ms=1.0, max_ms=100.0)
+    assert f == 64 and "batch_size = 1024\n" in new and "features = 1024" in new  # 0.05 ms * 64 = 3.2 ms >= 2 ms
+    assert synth.calibrated_code(code, 16 * 1024, ms=2.0, min_ms=1.0, max_ms=100.0) is None  # in the window
+    assert synth.calibrated_code(code.replace("batch_size", "n"), 16 * 1024, 0.05, 1.0, 100.0) is None
+    capped = synth.calibrated_code(code, synth.MAX_CALIBRATED_NUMEL // 4, 0.001, 1.0, 100.0)
+    assert capped[1] == 4, "never beyond MAX_CALIBRATED_NUMEL input elements"
+
+
+def test_filter_job_calibrates_a_too_fast_candidate():
+    code = task("        return torch.tanh(x) * 2.0", shape=(4, 256)).replace(
+        "def get_inputs():\n    return [torch.randn(4, 256)]",
+        "batch_size = 4\n\n\ndef get_inputs():\n    return [torch.randn(batch_size, 256)]")
+    r = synth._filter_job([code], "cpu", 0, min_ms=0.5, max_ms=1e9, backend="eager", warmup=1, iters=3,
+                          calibrate=True)[0]
+    f = r["batch_factor"]
+    assert f >= 2 and f"batch_size = {4 * f}\n" in r["code"], r
+    off = synth._filter_job([code], "cpu", 0, min_ms=0.5, max_ms=1e9, backend="eager", warmup=1, iters=3)[0]
+    assert not off["ok"] and off["filter"] == "runtime" and "code" not in off
+
+
 def test_filter_runs_compile():
     # a task whose traced graph differs from its eager behaviour
     breaks = task("        if torch.compiler.is_compiling():\n            return torch.tanh(x) + 1.0\n"
@@ -333,9 +355,20 @@ def test_all_shipped_cpu_demos_pass_the_sandbox_with_profiling():
 
 # ------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
-def test_gpu_shipped_cuda_demos_pass_the_sandbox():
-    for idx, row in [(i, r) for i, r in _demo_index() if i["backend"] == "cuda"]:
-        _check_demo(idx, row, "cuda", profile=True)
+def test_gpu_shipped_cuda_demos_pass_the_sandbox(tmp_path):
+    """All 20 generated CUDA demos, through the pool as the trainer runs them (baselines prewarmed)."""
+    import sandbox
+    demos = [(i, r) for i, r in _demo_index() if i["backend"] == "cuda"]
+    cfg = sandbox.SandboxConfig(device="cuda", cache_dir=str(tmp_path / "cache"))
+    sandbox.prewarm([r["code"] for _, r in demos], cfg, workers=8)
+    pool = sandbox.SandboxPool(cfg, gpus=[0])
+    try:
+        futs = [(idx, pool.submit(r["code"], os.path.join(ROOT, "data", "demos", idx["path"]))) for idx, r in demos]
+        for idx, f in futs:
+            v = f.result()
+            assert v.correct and v.reward >= 1, (idx, v.error, v.violation, v.compile_log[-500:])
+    finally:
+        pool.close()
 
 
 @pytest.mark.gpu
