@@ -883,8 +883,8 @@ def prewarm(tasks: list[str], cfg: SandboxConfig, workers: int = 8, gpus: list[i
         try:
             _reference(todo[h], cfg, [], False, slots[i % len(slots)], warm=True)
             err = None
-        except TaskError as e:
-            err = str(e)
+        except Exception as e:  # noqa: BLE001 - a failed prewarm only means the timed run compiles cold
+            err = str(e) if isinstance(e, TaskError) else f"{type(e).__name__}: {e}"
         if on_done:
             on_done(h, err)
         return h, err
