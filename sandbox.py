@@ -81,6 +81,7 @@ from __future__ import annotations
 
 import ast
 import atexit
+import fcntl
 import concurrent.futures as cf
 import contextlib
 import dataclasses
@@ -299,15 +300,17 @@ def _reader(fd: int, nonce: bytes, out: list, on_msg, state: dict, max_bytes: in
     """Read nonce-framed messages until EOF; a bad frame (or more than max_bytes) marks the channel corrupt."""
     import torch
     total = 0
+    with contextlib.suppress(OSError):  # 1 MiB instead of 64 KiB: fewer wake-ups for large outputs
+        fcntl.fcntl(fd, 1031, 1 << 20)  # F_SETPIPE_SZ (Linux)
     with os.fdopen(fd, "rb", buffering=0) as f:
-        def read(n):
+        def read(n):  # grows with what arrives: a forged length must not make the host allocate it up front
             buf = bytearray()
             while len(buf) < n:
-                chunk = f.read(n - len(buf))
+                chunk = f.read(min(n - len(buf), 1 << 24))
                 if not chunk:
                     return None
                 buf += chunk
-            return bytes(buf)
+            return buf
         while True:
             head = read(24)
             if head is None:
@@ -322,7 +325,7 @@ def _reader(fd: int, nonce: bytes, out: list, on_msg, state: dict, max_bytes: in
                 return
             body = read(n)
             try:
-                msg = torch.load(io.BytesIO(body or b""), weights_only=True)
+                msg = torch.load(io.BytesIO(bytes(body or b"")), weights_only=True)  # bytes: ~4x faster load
                 assert isinstance(msg, dict) and "type" in msg
             except Exception as e:  # noqa: BLE001 - non-plain data (e.g. a tensor subclass) is refused
                 state["corrupt"] = f"unreadable result message ({type(e).__name__})"

@@ -93,10 +93,10 @@ class Channel:
         import torch
         buf = io.BytesIO()
         torch.save(msg, buf)
-        data = self.nonce + struct.pack(">Q", len(buf.getvalue())) + buf.getvalue()
-        view = memoryview(data)
-        while view:
-            view = view[os.write(self.fd, view):]
+        body = buf.getbuffer()  # no copy: outputs reach hundreds of MB (KernelBench level 1: GBs)
+        for view in (memoryview(self.nonce + struct.pack(">Q", len(body))), body):
+            while view:
+                view = view[os.write(self.fd, view):]
 
     def recv_control(self) -> dict:
         """One JSON line from the host (used for the late post-timing seed)."""
