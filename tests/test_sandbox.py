@@ -487,23 +487,3 @@ def test_prewarm_fills_inductor_cache_only(tmp_path):
     assert not (tmp_path / "cache" / "baselines.json").exists()
     sandbox._baseline_cache(c, f"{h}|cpu|{sandbox._precision(c)}", {"eager_ms": 1.0})
     assert sandbox.prewarm([SOFTMAX_TASK], c) == {}
-
-
-def test_reference_pool_is_built_from_a_tasks_second_check(monkeypatch):
-    """First check of a task: only n_trials + 1 reference seeds (evaluations check most problems once).
-    Second: a reusable pool with REF_POOL_EXTRA more, kept. Third: served from the pool, no reference run.
-    Every check draws its own random seeds from what was computed."""
-    import secrets as _s
-    import torch
-    calls = []
-
-    def fake_reference(src, cfg, seeds, want, gpu, warm=False):
-        calls.append(len(seeds))
-        return {"outputs": {s: [torch.zeros(2)] for s in seeds}, "device_name": "cpu"}
-    monkeypatch.setattr(sandbox, "_reference", fake_reference)
-    c = SandboxConfig(n_trials=5)
-    src = f"# a task nobody else checks {_s.token_hex(8)}"
-    picks = [sandbox._reference_pool(src, c, False, None, "cpu") for _ in range(3)]
-    assert calls == [6, 6 + sandbox.REF_POOL_EXTRA]
-    for ref, seeds, final in picks:
-        assert len(seeds) == 5 and final not in seeds and set(seeds) | {final} <= set(ref["outputs"])
