@@ -869,11 +869,11 @@ def prewarm(tasks: list[str], cfg: SandboxConfig, workers: int = 8, gpus: list[i
     Returns {sha256 of the task source: None | one-line error}; `on_done(sha, err)` is called per task.
     """
     todo = {}
+    dev, prec = _device_name(cfg.device, (gpus or [None])[0]), _precision(cfg)
     for t in tasks:
         src = _read_task(t)
         h = hashlib.sha256(src.encode()).hexdigest()
-        dev = _device_name(cfg.device, (gpus or [None])[0])
-        if cfg.profile and _baseline_cache(cfg, f"{h}|{dev}|{_precision(cfg)}") is None:
+        if cfg.profile and _baseline_cache(cfg, f"{h}|{dev}|{prec}") is None:
             todo[h] = src
     out: dict[str, str | None] = {}
     slots = gpus or [None]

@@ -902,48 +902,55 @@ def calibrated_code(code: str, numel: int, ms: float, min_ms: float, max_ms: flo
     return code[:m.start()] + f"batch_size = {int(m.group(1)) * f}" + code[m.end():], f
 
 
+def _run_filters(code: str, device: str, seed: int, min_ms: float, max_ms: float, backend: str,
+                 warmup: int, iters: int) -> tuple[dict, int | None]:
+    """The execution filters, in order, on one candidate: (result, its input elements; None if it never ran)."""
+    r = {"ok": False, "filter": "runs_eager", "reason": "", "eager_ms": None, "compile_ms": None}
+    try:
+        p = prepare(code, device, seed)
+        steps = [("runs_eager", lambda: filter_runs_eager(p)), ("deterministic", lambda: filter_deterministic(p)),
+                 ("nondegenerate", lambda: filter_nondegenerate(p)),
+                 ("runtime", lambda: filter_runtime(p, min_ms, max_ms, warmup, iters)),
+                 ("runs_compile", lambda: filter_runs_compile(p, backend, warmup, iters))]
+        for name, f in steps:
+            r["filter"] = name
+            ok, r["reason"] = f()
+            if not ok:
+                break
+        else:
+            r.update(ok=True, filter=None)
+        r["eager_ms"], r["compile_ms"] = p.info.get("eager_ms"), p.info.get("compile_ms")
+        return r, sum(x.numel() for x in p.inputs)
+    except Exception as e:   # noqa: BLE001 - a broken task is a rejection, never a crash of the job
+        r["reason"] = f"{type(e).__name__}: {str(e)[:160]}"
+        return r, None
+
+
 def _filter_job(codes: list[str], device: str, seed: int, min_ms: float, max_ms: float, backend: str,
                 warmup: int, iters: int, calibrate: bool = False) -> list[dict]:
-    """Runs in an isolated child: the execution filters, in order, on each candidate of a chunk. With
-    `calibrate`, a candidate faster than min_ms is resized (calibrated_code) and filtered again, twice at
-    most; its result then carries the new `code` and the total `batch_factor`."""
+    """Runs in an isolated child: the execution filters on each candidate of a chunk. With `calibrate`, a
+    candidate faster than min_ms is resized (calibrated_code) and filtered again, twice at most; its result
+    then carries the new `code` and the total `batch_factor`."""
     import torch
     import torch._inductor.config as inductor_config
     inductor_config.compile_threads = 1   # parallelism comes from several children, not compile pools
+    free = torch.cuda.empty_cache if device.startswith("cuda") else (lambda: None)
+    args = (device, seed, min_ms, max_ms, backend, warmup, iters)
     out = []
     for code in codes:
-        r = {"ok": False, "filter": "runs_eager", "reason": "", "eager_ms": None, "compile_ms": None}
-        for attempt in range(3 if calibrate else 1):
-            p, grown = None, None
-            try:
-                p = prepare(code, device, seed)
-                steps = [("runs_eager", lambda: filter_runs_eager(p)),
-                         ("deterministic", lambda: filter_deterministic(p)),
-                         ("nondegenerate", lambda: filter_nondegenerate(p)),
-                         ("runtime", lambda: filter_runtime(p, min_ms, max_ms, warmup, iters)),
-                         ("runs_compile", lambda: filter_runs_compile(p, backend, warmup, iters))]
-                for name, f in steps:
-                    r["filter"] = name
-                    ok, r["reason"] = f()
-                    if not ok:
-                        break
-                else:
-                    r.update(ok=True, filter=None)
-                r["eager_ms"], r["compile_ms"] = p.info.get("eager_ms"), p.info.get("compile_ms")
-                if r["filter"] == "runtime" and attempt < 2 and calibrate:
-                    grown = calibrated_code(code, sum(x.numel() for x in p.inputs), r["eager_ms"], min_ms, max_ms)
-            except Exception as e:   # noqa: BLE001 - a broken task is a rejection, never a crash of the job
-                r["reason"] = f"{type(e).__name__}: {str(e)[:160]}"
-            p = None
-            if device.startswith("cuda"):
-                torch.cuda.empty_cache()
+        r, numel = _run_filters(code, *args)
+        factor = 1
+        for _ in range(2 if calibrate else 0):
+            grown = calibrated_code(code, numel, r["eager_ms"], min_ms, max_ms) \
+                if r["filter"] == "runtime" and numel else None
             if grown is None:
                 break
-            code = grown[0]
-            r.update(code=code, batch_factor=r.get("batch_factor", 1) * grown[1])
+            code, factor = grown[0], factor * grown[1]
+            free()
+            r, numel = _run_filters(code, *args)
+            r.update(code=code, batch_factor=factor)
         out.append(r)
-        if device.startswith("cuda"):
-            torch.cuda.empty_cache()
+        free()
     return out
 
 
