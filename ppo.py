@@ -882,7 +882,7 @@ def plot_curves(run_dir: str) -> str:
             pts = [(i, r.get("heldout_" + key, r.get(key))) for i, r in enumerate(rows) if r["stage"] == s]
             pts = [(i, v) for i, v in pts if isinstance(v, (int, float)) and v == v]
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=f"{s}) {STAGES[s]}")
+                ax.plot(*zip(*pts), marker="o", label=f"{s}) {STAGES[s]}", color=f"C{s - 1}")  # one colour a stage
         ax.set_xlabel("logged step (all stages)")
         ax.set_title(key + (" (stage 3: held-out)" if key == "explained_variance" else ""))
         ax.legend()
@@ -919,11 +919,30 @@ class Run:
 
 def _gather_mean(run: Run, m: dict) -> dict:
     """Average per-rank metric dicts over ranks (equal shards), for rank 0's log line."""
-    if run.world == 1:
-        return m
-    from accelerate.utils import gather_object
-    ms = gather_object([m])
+    ms = _all_ranks(run, [m])
     return {k: sum(d.get(k, 0.0) for d in ms) / len(ms) if isinstance(v, (int, float)) else v for k, v in m.items()}
+
+
+def _local_demos(run: Run, n_local: int, fraction: float) -> int:
+    """This rank's share of the demonstrations in a global batch of n_local * world episodes. The share is
+    set over the global batch and dealt round-robin, so a 4-episode batch at 25% holds one demonstration
+    on 2 ranks too (rounding per rank would give round(0.5) = 0 on each)."""
+    if not run.demos:
+        return 0
+    n = round(n_local * run.world * fraction)
+    return min(n_local, len(range(run.rank, n, run.world)))
+
+
+def _all_ranks(run: Run, xs: list) -> list:
+    """Every rank's list, concatenated in rank order, on every rank (identity on one process)."""
+    if run.world == 1:
+        return xs
+    # torch.distributed directly: under torchrun on CPUs accelerate's state reported one process, and its
+    # gather_object then returned only this rank's part (ranks that disagree on a count then deadlock)
+    import torch.distributed as dist
+    parts = [None] * run.world
+    dist.all_gather_object(parts, xs)
+    return [x for part in parts for x in part]
 
 
 def _checkpoint(run: Run, stage: int, step: int, force: bool = False) -> None:
@@ -956,7 +975,7 @@ def ppo_stage(run: Run, stage: int, n_steps: int, start: int, single_turn: bool,
     for step in range(start, n_steps):
         t0 = time.time()
         # 1) rollout: actor episodes (+ demonstrations in the tiny preset's warm-up), sandbox verdicts included
-        n_demo = round(n_local * demo_fraction) if run.demos else 0
+        n_demo = _local_demos(run, n_local, demo_fraction)
         wd = os.path.join(cfg.run_dir, "workspaces", f"s{stage}_{step}_r{run.rank}")
         recs = collect(run.model, run.tok, run.tasks, run.demos, n_local, n_demo, single_turn, cfg, run.pool, wd,
                        random)
@@ -1001,27 +1020,34 @@ def rft_stage(run: Run, start: int) -> None:
     if start == 0:
         t0 = time.time()
         n_local = max(1, cfg.rft_rollouts // run.world)
-        n_demo = round(n_local * cfg.demo_fraction) if run.demos else 0
+        n_demo = _local_demos(run, n_local, cfg.demo_fraction)
         recs = collect(run.model, run.tok, run.tasks, run.demos, n_local, n_demo, single_turn, cfg, run.pool,
                        os.path.join(cfg.run_dir, "workspaces", f"s2_r{run.rank}"), random)
         write_rollouts(_rft_file(run) + ".tmp", recs, 2, 0)
         os.replace(_rft_file(run) + ".tmp", _rft_file(run))
         kept = [v["rec"] for v in rft_filter([rft_view(r) for r in recs])]
-        m = {**rollout_metrics(recs, time.time() - t0), "n_kept": len(kept),
-             "n_kept_demo": sum(r["source"] == "demo" for r in kept)}
-        run.logger.log(2, 0, _gather_mean(run, m))
+        m = _gather_mean(run, rollout_metrics(recs, time.time() - t0))
+        counts = _all_ranks(run, [(len(kept), sum(r["source"] == "demo" for r in kept))])  # summed, not averaged
+        m.update(n_kept=sum(c[0] for c in counts), n_kept_demo=sum(c[1] for c in counts))
+        run.logger.log(2, 0, m)
         _checkpoint(run, 2, 1, force=True)
         start = 1
     recs = load_stage2(run)
-    kept = [to_sample(v["rec"]) for v in rft_filter([rft_view(r) for r in recs])]
+    # data parallel: the filter keeps different counts on different ranks, so every rank pools all ranks'
+    # kept trajectories and each step deals out one global batch in equal shards (equal shards keep the
+    # gradient all-reduce in step on every rank; a short pool is sampled with replacement to fill them)
+    kept = _all_ranks(run, [to_sample(v["rec"]) for v in rft_filter([rft_view(r) for r in recs])])
     if not kept and cfg.rft_steps > 0:
         print("[ppo] RFT: no trajectory passed the filter (reward > 0, no loops/invalid calls): SFT skipped")
         return
     for step in range(start, cfg.rft_steps + 1):
         t1 = time.time()
-        batch = random.sample(kept, min(len(kept), cfg.rft_batch_size))
-        st = sft_update(run.model, run.opt["actor"], batch, cfg, run.pad_id, run.device, len(batch) * run.world)
-        n_tok = sum(len(s["input_ids"]) for s in batch)
+        rng = random.Random(cfg.seed * 1_000_003 + step)  # the same global batch on every rank
+        n = -(-min(len(kept), cfg.rft_batch_size) // run.world) * run.world
+        batch = rng.sample(kept, n) if n <= len(kept) else rng.choices(kept, k=n)
+        local = batch[run.rank::run.world]
+        st = sft_update(run.model, run.opt["actor"], local, cfg, run.pad_id, run.device, n)
+        n_tok = sum(len(s["input_ids"]) for s in local)
         st.update(n_kept=len(kept), train_tok_s=n_tok / max(time.time() - t1, 1e-9))
         run.logger.log(2, step, _gather_mean(run, st))
         _checkpoint(run, 2, step + 1, force=step == cfg.rft_steps)

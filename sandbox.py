@@ -185,6 +185,7 @@ class TaskError(Exception):
 _ROOT: str | None = None
 _ROOT_LOCK = threading.Lock()
 _ISOLATION: str | None = None
+_ISOLATION_LOCK = threading.Lock()
 PASS_ENV = ("PATH", "LANG", "LC_ALL", "LD_LIBRARY_PATH", "CUDA_HOME", "CUDA_PATH", "PYTHONPATH", "VIRTUAL_ENV",
             "CC", "CXX", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCH_CUDA_ARCH_LIST", "CUDA_AGENT_ARCH")
 
@@ -202,21 +203,26 @@ def _root() -> str:
 
 def isolation() -> str:
     """"bwrap" | "unshare" | "rlimits": the strongest isolation that works on this machine
-    (CUDA_AGENT_ISOLATION=unshare|rlimits forces a weaker level, e.g. where bwrap breaks a driver)."""
+    (CUDA_AGENT_ISOLATION=unshare|rlimits forces a weaker level, e.g. where bwrap breaks a driver).
+    Probed once per process, under a lock: the pool's threads ask at the same moment, and a thread must never
+    see a fallback value while another thread's probe is still running (a 2-GPU training run did: two of its
+    first checks ran with rlimits only)."""
     global _ISOLATION
-    if _ISOLATION is None and os.environ.get("CUDA_AGENT_ISOLATION") in ("bwrap", "unshare", "rlimits"):
-        _ISOLATION = os.environ["CUDA_AGENT_ISOLATION"]
-    if _ISOLATION is None:
-        probes = [("bwrap", ["bwrap", "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev",
-                             "--unshare-all", "--die-with-parent", "true"]),
-                  ("unshare", ["unshare", "--net", "--map-root-user", "true"])]
-        _ISOLATION = "rlimits"
-        for name, cmd in probes:
-            with contextlib.suppress(OSError, subprocess.SubprocessError):
-                if shutil.which(cmd[0]) and subprocess.run(cmd, capture_output=True, timeout=20).returncode == 0:
-                    _ISOLATION = name
-                    break
-    return _ISOLATION
+    with _ISOLATION_LOCK:
+        if _ISOLATION is None and os.environ.get("CUDA_AGENT_ISOLATION") in ("bwrap", "unshare", "rlimits"):
+            _ISOLATION = os.environ["CUDA_AGENT_ISOLATION"]
+        if _ISOLATION is None:
+            probes = [("bwrap", ["bwrap", "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev",
+                                 "--unshare-all", "--die-with-parent", "true"]),
+                      ("unshare", ["unshare", "--net", "--map-root-user", "true"])]
+            level = "rlimits"
+            for name, cmd in probes:
+                with contextlib.suppress(OSError, subprocess.SubprocessError):
+                    if shutil.which(cmd[0]) and subprocess.run(cmd, capture_output=True, timeout=20).returncode == 0:
+                        level = name
+                        break
+            _ISOLATION = level  # published only once the probe is finished
+        return _ISOLATION
 
 
 def _wrap(cmd: list[str], wdir: str, device: str, writable: list[str], hide: list[str]) -> list[str]:

@@ -92,7 +92,9 @@ def test_two_process_data_parallel_run(tmp_path):
     """torchrun with 2 CPU processes (gloo): what `accelerate launch` does on GPUs. Each rank must report its
     own rank, every stage must finish, and ppo._checkpoint's per-step checksum must find the ranks in sync
     (it raises otherwise). This caught both ranks believing they were rank 0 and racing on checkpoint.pt."""
-    kw = dict(SMALL, run_dir=str(tmp_path / "ddp"), batch_size=4, rft_rollouts=4)
+    # one demonstration per global batch (25% of 4): it lands on rank 0 only, so the RFT filter keeps
+    # trajectories on one rank and none on the other, and SFT must still run on both in step
+    kw = dict(SMALL, run_dir=str(tmp_path / "ddp"), batch_size=4, rft_rollouts=4, demo_fraction=0.25)
     script = tmp_path / "run.py"
     script.write_text(SCRIPT.format(root=ROOT))
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
@@ -102,5 +104,7 @@ def test_two_process_data_parallel_run(tmp_path):
     assert r.returncode == 0, out[-3000:]
     assert "rank 0/2" in out and "rank 1/2" in out, out[-3000:]
     assert os.path.exists(tmp_path / "ddp" / "checkpoint.pt") and "==== stage 4)" in out
-    ranks = {json.loads(line).get("stage") for line in open(tmp_path / "ddp" / "metrics.jsonl")}
-    assert ranks >= {1, 3, 4}, ranks
+    rows = [json.loads(line) for line in open(tmp_path / "ddp" / "metrics.jsonl")]
+    assert {r.get("stage") for r in rows} >= {1, 2, 3, 4}, rows
+    rft = [r for r in rows if r.get("stage") == 2]
+    assert rft[0]["n_kept"] >= 1 and any("sft_nll" in r for r in rft), rft  # SFT ran, on both ranks

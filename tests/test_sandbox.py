@@ -118,6 +118,32 @@ def test_malformed_task(kind):
             "nontensor": "non-tensor", "raises": "boom"}[kind] in msg
 
 
+def test_isolation_probe_is_race_free(monkeypatch):
+    """Threads asking for the isolation level while the first probe runs get the probe's answer, never the
+    fallback: a 2-GPU run labelled two of its first concurrent checks "rlimits" before this lock."""
+    import subprocess
+    import time
+
+    def slow_probe(cmd, **kw):  # a probe that succeeds, slowly (bwrap can take a second on a loaded host)
+        time.sleep(0.3)
+        return subprocess.CompletedProcess(cmd, 0)
+    monkeypatch.setattr(sandbox, "_ISOLATION", None)
+    monkeypatch.delenv("CUDA_AGENT_ISOLATION", raising=False)
+    monkeypatch.setattr(sandbox.shutil, "which", lambda name: "/usr/bin/" + name)
+    monkeypatch.setattr(sandbox.subprocess, "run", slow_probe)
+    seen, go = [], threading.Barrier(8)
+
+    def ask():
+        go.wait()
+        seen.append(sandbox.isolation())
+    threads = [threading.Thread(target=ask) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen == ["bwrap"] * 8, seen
+
+
 def test_good_task_loads():
     assert "class Model" in load_task(RELU_TASK)
 
