@@ -1166,6 +1166,10 @@ def train(cfg: TrainConfig) -> int:
             _checkpoint(run, s + 1, 0, force=True)
     finally:
         pool.close()
+    if world > 1:
+        import torch.distributed as dist
+        dist.barrier()  # rank 0 plots below; every rank has finished stage 4 before the group goes away
+        dist.destroy_process_group()
     if rank == 0 and os.path.exists(metrics):
         print(f"[ppo] done: {plot_curves(cfg.run_dir)}, {metrics}, rollouts in {cfg.run_dir}/rollouts", flush=True)
     return 0
