@@ -542,12 +542,24 @@ def _chunks(xs: list, n: int) -> list[list]:
 
 def _all_reduce_grads(params: list[torch.nn.Parameter]) -> None:
     """Data parallel: sum LoRA/head gradients over ranks (losses are already divided by the global count).
-    Done by hand rather than DDP because actor and critic share one PeftModel (different params per forward)."""
+    Done by hand rather than DDP because actor and critic share one PeftModel (different params per forward).
+    One flat all-reduce, not one per parameter: a parameter can have a gradient on one rank and none on
+    another (an unrouted expert), and per-parameter calls would then pair different tensors across ranks.
+    A parameter no rank touched keeps grad None, so the optimizer skips it as it would on one process."""
     import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        for p in params:
-            if p.grad is not None:
-                dist.all_reduce(p.grad)
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1) or not params:
+        return
+    dev = params[0].device
+    has = torch.tensor([float(p.grad is not None) for p in params], device=dev)
+    flat = torch.cat([has] + [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
+                              for p in params])
+    dist.all_reduce(flat)
+    off = len(params)
+    for i, p in enumerate(params):
+        n = p.numel()
+        if flat[i] > 0:
+            p.grad = flat[off:off + n].view_as(p).to(p.dtype).clone()
+        off += n
 
 
 def _global_sum(x: torch.Tensor) -> torch.Tensor:

@@ -219,3 +219,29 @@ def test_rft_filter_exact_keep_set():
     assert kept == ["no_calls"]
     kept = [t["id"] for t in ppo.rft_filter(trajs, max_invalid_calls=1, max_consecutive_identical=2, min_reward=1.5)]
     assert kept == ["good", "invalid", "truncated"]
+
+
+def _grad_reduce_worker(rank: int, port: int, out: str):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    a, b, c = (torch.nn.Parameter(torch.zeros(2, 3)) for _ in range(3))
+    a.grad = torch.full((2, 3), float(rank + 1))         # both ranks: summed
+    if rank == 0:
+        b.grad = torch.arange(6.0).view(2, 3)             # rank 0 only (an expert rank 1 never routed to)
+    ppo._all_reduce_grads([b, c, a])                      # c: no rank has a gradient
+    torch.save({"a": a.grad, "b": b.grad, "c": c.grad}, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_all_reduce_grads_with_a_gradient_on_one_rank_only(tmp_path):
+    """Two gloo processes: a parameter with a gradient on rank 0 and none on rank 1 gets rank 0's gradient on
+    both; one with none anywhere stays None. Per-parameter all-reduces skipping None would pair b with a."""
+    import os
+    import torch.multiprocessing as mp
+    out = str(tmp_path / "g")
+    mp.spawn(_grad_reduce_worker, args=(29400 + os.getpid() % 500, out), nprocs=2, join=True)
+    for r in (0, 1):
+        g = torch.load(f"{out}.{r}")
+        assert torch.equal(g["a"], torch.full((2, 3), 3.0))
+        assert torch.equal(g["b"], torch.arange(6.0).view(2, 3))
+        assert g["c"] is None
