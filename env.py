@@ -922,8 +922,8 @@ class SolveConfig:
     """output directory: trajectory.jsonl, best/ (best solution workspace), workspaces/"""
     reward: str = "milestone"
     """reward kind: "milestone" | "speedup" """
-    cache_dir: str = "~/.cache/cuda_agent"
-    """sandbox compile + baseline cache (hidden from the agent)"""
+    cache_dir: str = field(default_factory=lambda: os.environ.get("CUDA_AGENT_CACHE", "~/.cache/cuda_agent"))
+    """sandbox compile + baseline cache, hidden from the agent (default: $CUDA_AGENT_CACHE, else ~/.cache/cuda_agent)"""
     seed: int = 0
     """seed for sampling and the sandbox's inputs"""
     quiet: bool = False

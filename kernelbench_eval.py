@@ -135,8 +135,8 @@ class EvalConfig:
     """time candidates and baselines (--no-profile: correctness only, speedups are None; smoke tests)"""
     mem_limit_mb: int = 65536
     """host memory per sandbox child, also the candidate's GPU memory cap (KernelBench L1 inputs reach 8 GB)"""
-    cache_dir: str = "~/.cache/cuda_agent"
-    """sandbox compile + baseline cache (baselines are reused across runs)"""
+    cache_dir: str = field(default_factory=lambda: os.environ.get("CUDA_AGENT_CACHE", "~/.cache/cuda_agent"))
+    """sandbox compile + baseline cache, reused across runs (default: $CUDA_AGENT_CACHE, else ~/.cache/cuda_agent)"""
     prewarm_workers: int = 8
     """compile the torch.compile baselines of uncached problems this many at a time before anything is timed
     (sandbox.prewarm; 0 = off, each problem then compiles inside its timed reference run)"""

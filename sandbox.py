@@ -138,8 +138,8 @@ class SandboxConfig:
     """wall-clock limit per reference/candidate child"""
     mem_limit_mb: int = 8192
     """host-memory limit per child (RSS of the process tree; cpu also RLIMIT_AS)"""
-    cache_dir: str = "~/.cache/cuda_agent"
-    """compile cache + baseline cache"""
+    cache_dir: str = field(default_factory=lambda: os.environ.get("CUDA_AGENT_CACHE", "~/.cache/cuda_agent"))
+    """compile cache + baseline cache (default: $CUDA_AGENT_CACHE, else ~/.cache/cuda_agent)"""
     profile: bool = True
     """False -> stop after verify (no timing; reward uses correctness only)"""
     reward: str = "milestone"

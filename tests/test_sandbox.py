@@ -423,6 +423,17 @@ def test_compile_error_is_a_verdict(cfg, tmp_path):
     assert not v.compiled and v.stage == "compile" and "error" in v.compile_log and v.reward == -1
 
 
+def test_cache_dir_follows_env(monkeypatch, tmp_path):
+    """$CUDA_AGENT_CACHE sets every command's sandbox cache (the device script gives each lane its own)."""
+    import env
+    import kernelbench_eval
+    monkeypatch.setenv("CUDA_AGENT_CACHE", str(tmp_path))
+    assert SandboxConfig().cache_dir == env.SolveConfig().cache_dir == kernelbench_eval.EvalConfig().cache_dir \
+        == str(tmp_path)
+    monkeypatch.delenv("CUDA_AGENT_CACHE")
+    assert SandboxConfig().cache_dir == "~/.cache/cuda_agent"
+
+
 def test_run_isolated():
     c = SandboxConfig()
     ok, val, err = sandbox.run_isolated("sandbox_worker:_stats", {"times": [1.0, 2.0, 3.0]}, c, 60)
