@@ -929,10 +929,12 @@ class Run:
         return self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
 
 
-def _gather_mean(run: Run, m: dict) -> dict:
-    """Average per-rank metric dicts over ranks (equal shards), for rank 0's log line."""
+def _gather_mean(run: Run, m: dict, totals: tuple = ()) -> dict:
+    """Average per-rank metric dicts over ranks (equal shards), for rank 0's log line; keys in `totals` are
+    summed instead (counts over the whole batch)."""
     ms = _all_ranks(run, [m])
-    return {k: sum(d.get(k, 0.0) for d in ms) / len(ms) if isinstance(v, (int, float)) else v for k, v in m.items()}
+    return {k: sum(d.get(k, 0.0) for d in ms) / (1 if k in totals else len(ms)) if isinstance(v, (int, float))
+            else v for k, v in m.items()}
 
 
 def _local_demos(run: Run, n_local: int, fraction: float) -> int:
@@ -1038,10 +1040,9 @@ def rft_stage(run: Run, start: int) -> None:
         write_rollouts(_rft_file(run) + ".tmp", recs, 2, 0)
         os.replace(_rft_file(run) + ".tmp", _rft_file(run))
         kept = [v["rec"] for v in rft_filter([rft_view(r) for r in recs])]
-        m = _gather_mean(run, rollout_metrics(recs, time.time() - t0))
-        counts = _all_ranks(run, [(len(kept), sum(r["source"] == "demo" for r in kept))])  # summed, not averaged
-        m.update(n_kept=sum(c[0] for c in counts), n_kept_demo=sum(c[1] for c in counts))
-        run.logger.log(2, 0, m)
+        m = {**rollout_metrics(recs, time.time() - t0), "n_kept": len(kept),
+             "n_kept_demo": sum(r["source"] == "demo" for r in kept)}
+        run.logger.log(2, 0, _gather_mean(run, m, totals=("n_kept", "n_kept_demo")))
         _checkpoint(run, 2, 1, force=True)
         start = 1
     recs = load_stage2(run)
@@ -1178,9 +1179,8 @@ def train(cfg: TrainConfig) -> int:
             _checkpoint(run, s + 1, 0, force=True)
     finally:
         pool.close()
-    if world > 1:
+    if world > 1:  # the last _checkpoint was the last collective call
         import torch.distributed as dist
-        dist.barrier()  # rank 0 plots below; every rank has finished stage 4 before the group goes away
         dist.destroy_process_group()
     if rank == 0 and os.path.exists(metrics):
         print(f"[ppo] done: {plot_curves(cfg.run_dir)}, {metrics}, rollouts in {cfg.run_dir}/rollouts", flush=True)

@@ -874,15 +874,14 @@ def prewarm(tasks: list[str], cfg: SandboxConfig, workers: int = 8, gpus: list[i
     (kernelbench_eval, the trainer, the baseline bench) call it before their first check.
     Returns {sha256 of the task source: None | one-line error}; `on_done(sha, err)` is called per task.
     """
-    todo = {}
-    dev, prec = _device_name(cfg.device, (gpus or [None])[0]), _precision(cfg)
+    todo, slots = {}, gpus or [None]
+    dev, prec = _device_name(cfg.device, slots[0]), _precision(cfg)
     for t in tasks:
         src = _read_task(t)
         h = hashlib.sha256(src.encode()).hexdigest()
         if cfg.profile and _baseline_cache(cfg, f"{h}|{dev}|{prec}") is None:
             todo[h] = src
     out: dict[str, str | None] = {}
-    slots = gpus or [None]
 
     def one(i_h):
         i, h = i_h

@@ -221,25 +221,33 @@ def test_rft_filter_exact_keep_set():
     assert kept == ["good", "invalid", "truncated"]
 
 
-def _grad_reduce_worker(rank: int, port: int, out: str):
+def _grad_reduce_worker(rank: int, port: int, out: str, backend: str):
     import torch.distributed as dist
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    a, b, c = (torch.nn.Parameter(torch.zeros(2, 3)) for _ in range(3))
-    a.grad = torch.full((2, 3), float(rank + 1))         # both ranks: summed
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dev = torch.device(f"cuda:{rank}") if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(dev)
+    a, b, c = (torch.nn.Parameter(torch.zeros(2, 3, device=dev)) for _ in range(3))
+    a.grad = torch.full((2, 3), float(rank + 1), device=dev)   # both ranks: summed
     if rank == 0:
-        b.grad = torch.arange(6.0).view(2, 3)             # rank 0 only (an expert rank 1 never routed to)
-    ppo._all_reduce_grads([b, c, a])                      # c: no rank has a gradient
-    torch.save({"a": a.grad, "b": b.grad, "c": c.grad}, f"{out}.{rank}")
+        b.grad = torch.arange(6.0, device=dev).view(2, 3)       # rank 0 only (an expert rank 1 never routed to)
+    ppo._all_reduce_grads([b, c, a])                            # c: no rank has a gradient
+    torch.save({k: None if g is None else g.cpu() for k, g in (("a", a.grad), ("b", b.grad), ("c", c.grad))},
+               f"{out}.{rank}")
     dist.destroy_process_group()
 
 
-def test_all_reduce_grads_with_a_gradient_on_one_rank_only(tmp_path):
-    """Two gloo processes: a parameter with a gradient on rank 0 and none on rank 1 gets rank 0's gradient on
-    both; one with none anywhere stays None. Per-parameter all-reduces skipping None would pair b with a."""
+@pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.gpu)])
+def test_all_reduce_grads_with_a_gradient_on_one_rank_only(tmp_path, backend):
+    """Two processes (gloo on CPUs; NCCL on 2 GPUs, as under `accelerate launch`): a parameter with a gradient
+    on rank 0 and none on rank 1 gets rank 0's gradient on both; one with none anywhere stays None.
+    Per-parameter all-reduces skipping None would pair b with a."""
     import os
     import torch.multiprocessing as mp
+    if backend == "nccl" and torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs (scripts/device_run.sh on the 2-GPU machine)")
     out = str(tmp_path / "g")
-    mp.spawn(_grad_reduce_worker, args=(29400 + os.getpid() % 500, out), nprocs=2, join=True)
+    mp.spawn(_grad_reduce_worker, args=(29400 + os.getpid() % 500, out, backend), nprocs=2, join=True)
     for r in (0, 1):
         g = torch.load(f"{out}.{r}")
         assert torch.equal(g["a"], torch.full((2, 3), 3.0))
