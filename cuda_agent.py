@@ -1,134 +1,58 @@
-"""cuda-agent: the command line. One command per stage of the paper, each backed by one dataclass config.
+"""cuda-agent: the command line. One command per stage of the paper, each parsed by tyro from one config.
 
-    python cuda_agent.py train                      # all four training stages, tiny preset (CPU, offline)
-    python cuda_agent.py train --preset paper       # the paper's recipe on a real MoE (GPU node)
-    python cuda_agent.py check TASK SOLUTION [--device cpu|cuda] [--json]
-    python cuda_agent.py solve TASK --policy replay|hf|openai [--max-turns N] [--device cpu|cuda]
+    python cuda_agent.py train                          # all four training stages, tiny preset (CPU, offline)
+    python cuda_agent.py train --preset paper           # the paper's recipe on a real MoE (GPU node)
+    python cuda_agent.py check TASK SOLUTION [--sandbox.device cpu|cuda] [--reward speedup] [--json]
+    python cuda_agent.py solve TASK --policy.kind replay|hf|openai [--env.max-turns N] [--sandbox.device cuda]
     python cuda_agent.py synth [--n-candidates N] [--out data/synth.jsonl]
-    python kernelbench_eval.py --level 2            # KernelBench evaluation (its own entry point)
+    python kernelbench_eval.py --level 2                # KernelBench evaluation (its own entry point)
 
-Every flag comes from a dataclass field; the string literal under each field is its `--help` text
-(CleanRL's `Args`, without the tyro dependency). `python cuda_agent.py CMD --help` lists them.
+Configs nest the configs of the parts they drive (`--env.max-turns`, `--sandbox.atol`, `--policy.model`);
+the string under each dataclass field is its `--help`. `python cuda_agent.py CMD --help` lists them.
 
-Departures from the paper: none here; this file only parses flags and dispatches.
+Departures from the paper: none here; this file parses flags, dispatches, and runs `solve`.
 """
 from __future__ import annotations
 
-import argparse
-import ast
 import dataclasses
-import inspect
 import json
 import os
 import sys
 import textwrap
-import types
-import typing
+from dataclasses import dataclass, field
+from typing import Annotated
+
+import tyro
+
+import env
+import policy
+import reward
+import sandbox
+import synth
+import tasks
+import tools
+import train
 
 # --------------------------------------------------------------------------------------------------
-# dataclass -> argparse
-# --------------------------------------------------------------------------------------------------
-
-
-def field_docs(cls) -> dict[str, str]:
-    """The string literal written right under each field of a dataclass (CleanRL style) -> {field: doc}."""
-    docs: dict[str, str] = {}
-    for klass in reversed(cls.__mro__):
-        if not dataclasses.is_dataclass(klass):
-            continue
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
-        except (OSError, TypeError, SyntaxError):
-            continue
-        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-        for node, nxt in zip(body, body[1:]):
-            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                    and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-                    and isinstance(nxt.value.value, str)):
-                docs[node.target.id] = " ".join(nxt.value.value.split())
-    return docs
-
-
-def _base_type(tp):
-    """Reduce `X | None` / Optional[X] to (X, nullable)."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        assert len(args) == 1, f"only `X | None` unions are supported, got {tp}"
-        return args[0], True
-    return tp, False
-
-
-def _converter(tp):
-    base, nullable = _base_type(tp)
-    if typing.get_origin(base) is list:
-        (elem,) = typing.get_args(base)
-
-        def conv(s, elem=elem):
-            return [elem(x) for x in s.split(",") if x.strip() != ""]
-    else:
-        conv = base
-    if not nullable:
-        return conv
-    return lambda s: None if s.lower() in ("none", "null", "") else conv(s)
-
-
-def add_config_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = (),
-                    positional: tuple[str, ...] = ()) -> None:
-    """Add one `--flag` per dataclass field (snake_case -> kebab-case); fields named in `positional` become
-    positional arguments. Defaults are applied later, from the dataclass or the preset."""
-    docs = field_docs(cls)
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if f.name in skip or not f.init:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        tp = hints[f.name]
-        default = (f.default if f.default is not dataclasses.MISSING
-                   else f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
-        help_ = f"{docs.get(f.name, '')} (default: {default!r})"
-        if f.name in positional:
-            parser.add_argument(f.name, type=_converter(tp), help=docs.get(f.name, ""))
-        elif tp is bool:
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
-                                default=argparse.SUPPRESS, help=help_)
-        else:
-            parser.add_argument(flag, dest=f.name, type=_converter(tp), default=argparse.SUPPRESS,
-                                metavar=f.name.upper(), help=help_)
-
-
-def config_from_namespace(cls, ns: argparse.Namespace, base=None):
-    """Build `cls` from parsed flags; flags given on the command line override `base` (a preset)."""
-    given = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)}
-    if base is None:
-        return cls(**given)
-    return dataclasses.replace(base, **given)
-
-
-def parse_config(cls, argv: list[str] | None = None, presets: dict | None = None, prog: str | None = None,
-                 description: str | None = None, positional: tuple[str, ...] = ()):
-    """Parse argv into an instance of dataclass `cls`. With `presets`, `--preset NAME` picks the base config
-    (named config instances, style principle 3) and explicit flags override its fields."""
-    parser = argparse.ArgumentParser(prog=prog, description=description,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    if presets:
-        parser.add_argument("--preset", default=next(iter(presets)), choices=sorted(presets),
-                            help="named base config; other flags override its fields")
-    add_config_args(parser, cls, skip=("preset",), positional=positional)
-    ns = parser.parse_args(argv)
-    base = presets[ns.preset] if presets else None
-    cfg = config_from_namespace(cls, ns, base)
-    if presets and any(f.name == "preset" for f in dataclasses.fields(cls)):
-        cfg = dataclasses.replace(cfg, preset=ns.preset)
-    return cfg
-
-
-# --------------------------------------------------------------------------------------------------
-# check: the sandbox's contract with every other tool (issue 2 §9). Keep its output stable.
+# check: the sandbox's contract with every other tool. Keep its output stable.
 # --------------------------------------------------------------------------------------------------
 
 CHECK_KEYS = ("compiled", "correct", "violation", "error", "eager_ms", "compile_ms", "candidate_ms",
               "speedup_eager", "speedup_compile", "reward")
+
+
+@dataclass
+class CheckConfig:
+    task: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="TASK")]
+    """KernelBench-format task file (class Model, get_inputs, get_init_inputs)"""
+    solution: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="SOLUTION")]
+    """single-file ModelNew (.py) or a workspace directory"""
+    json: bool = False
+    """print one JSON verdict as the last stdout line"""
+    reward: str = "milestone"
+    """reward kind reported with the verdict (reward.py): milestone (Eq. 1) | speedup"""
+    sandbox: sandbox.SandboxConfig = field(default_factory=sandbox.SandboxConfig)
+    """how the solution is compiled, verified and timed"""
 
 
 def _fmt_ms(x):
@@ -136,7 +60,7 @@ def _fmt_ms(x):
 
 
 def print_verdict(v: dict) -> None:
-    """A readable summary of a verdict for a terminal."""
+    """A readable summary of a verdict (with its reward from reward.py) for a terminal."""
     ok = v["compiled"] and v["correct"] and not v["violation"]
     print(f"verdict   : {'PASS' if ok else 'FAIL'}   reward {v['reward']:+.2f}   (stage {v.get('stage')})")
     print(f"compiled  : {v['compiled']}")
@@ -160,36 +84,22 @@ def print_verdict(v: dict) -> None:
         print("compile log (trimmed):\n" + textwrap.indent(v["compile_log"][-3000:], "  "))
 
 
-def cmd_check(argv: list[str]) -> int:
-    import sandbox
-    parser = argparse.ArgumentParser(prog="cuda_agent.py check",
-                                     description="Compile, verify and profile one solution in the sandbox.",
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("task", help="KernelBench-format task file (class Model, get_inputs, get_init_inputs)")
-    parser.add_argument("solution", help="single-file ModelNew (.py) or a workspace directory")
-    parser.add_argument("--json", action="store_true", help="last stdout line is one JSON verdict")
-    add_config_args(parser, sandbox.SandboxConfig)
-    ns = parser.parse_args(argv)
-    cfg = config_from_namespace(sandbox.SandboxConfig, ns)
-    if not os.path.exists(ns.task):
-        print(f"error: task file not found: {ns.task}", file=sys.stderr)
-        return 2
-    if not os.path.exists(ns.solution):
-        print(f"error: solution not found: {ns.solution}", file=sys.stderr)
-        return 2
+def check(cfg: CheckConfig) -> int:
+    """Compile, verify and profile one solution; 0 when it could be judged, 2 on bad input."""
+    for what, path in (("task file", cfg.task), ("solution", cfg.solution)):
+        if not os.path.exists(path):
+            print(f"error: {what} not found: {path}", file=sys.stderr)
+            return 2
     try:
-        task = sandbox.load_task(ns.task, device=cfg.device)
-    except sandbox.TaskError as e:
-        print(f"error: bad task {ns.task}: {e}", file=sys.stderr)
+        task = sandbox.load_task(cfg.task, device=cfg.sandbox.device)
+        verdict = sandbox.check(task, cfg.solution, cfg.sandbox).to_dict()
+    except sandbox.TaskError as e:  # a bad task, or the reference itself failed on this device
+        print(f"error: bad task {cfg.task}: {e}", file=sys.stderr)
         return 2
-    try:
-        verdict = sandbox.check(task, ns.solution, cfg).to_dict()
-    except sandbox.TaskError as e:  # the reference itself failed on this device (e.g. it times out)
-        print(f"error: bad task {ns.task}: {e}", file=sys.stderr)
-        return 2
+    verdict["reward"] = reward.reward_from_verdict(verdict, cfg.reward)
     missing = [k for k in CHECK_KEYS if k not in verdict]
     assert not missing, f"sandbox verdict lacks contract keys {missing}"
-    if ns.json:
+    if cfg.json:
         print(json.dumps(verdict, default=str))
     else:
         print_verdict(verdict)
@@ -197,29 +107,109 @@ def cmd_check(argv: list[str]) -> int:
 
 
 # --------------------------------------------------------------------------------------------------
-# train / solve / synth: thin wrappers over each module's config and entry function
+# solve: one episode from the command line, with a live transcript
 # --------------------------------------------------------------------------------------------------
 
 
+@dataclass
+class SolveConfig:
+    task: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="TASK")]
+    """path to a task .py (KernelBench format: Model, get_inputs, get_init_inputs)"""
+    out: str = "runs/solve"
+    """output directory: trajectory.jsonl, best/ (best solution workspace), workspaces/"""
+    seed: int = 0
+    """the one seed: sampling and the sandbox's inputs"""
+    quiet: bool = False
+    """do not print the live transcript"""
+    policy: policy.PolicyConfig = field(default_factory=policy.PolicyConfig)
+    """who acts"""
+    env: env.EnvConfig = field(default_factory=env.EnvConfig)
+    """the episode (its work_dir is OUT/workspaces)"""
+    sandbox: sandbox.SandboxConfig = field(default_factory=sandbox.SandboxConfig)
+    """where and how candidates run (--sandbox.device cuda for CUDA kernels)"""
+
+
+def print_event(eid: int, kind: str, text: str) -> None:
+    """The live transcript: one block per assistant turn, tool result and verdict."""
+    color = {"assistant": "\033[36m", "tool": "\033[33m", "error": "\033[31m", "verdict": "\033[32m"}[kind]
+    body = text if kind == "assistant" else tools.truncate(text, 1500)
+    print(f"{color}[{eid}] {kind}\033[0m {body}", flush=True)
+
+
+def solve(cfg: SolveConfig) -> int:
+    """One episode on one task. Returns 0 if a correct solution was found, 1 if not, 2 on bad input."""
+    try:
+        sandbox.load_task(cfg.task)
+        task = tasks.task_from_file(cfg.task)
+    except (sandbox.TaskError, OSError) as e:
+        print(f"bad task {cfg.task}: {e}", file=sys.stderr)
+        return 2
+    sb = dataclasses.replace(cfg.sandbox, seed=cfg.seed)
+    pol = policy.make_policy(cfg.policy, device=sb.device, seed=cfg.seed)
+    ecfg = dataclasses.replace(cfg.env, work_dir=os.path.join(cfg.out, "workspaces"))
+    pool = sandbox.SandboxPool(sb)
+    try:
+        traj = env.run_episodes(pol, [task], pool, ecfg, log=None if cfg.quiet else print_event)[0]
+    finally:
+        pool.close()
+    tasks.save_trajectories(os.path.join(cfg.out, "trajectory.jsonl"), [traj])
+    best = os.path.join(cfg.out, "best")
+    tools.make_workspace(best, task.code, sb.device)
+    for rel in list(tools.snapshot(best)):          # the scaffold goes; the best snapshot comes in
+        os.remove(os.path.join(best, rel))
+    tools.write_files(best, traj.best_files)
+    print(f"\n{traj.task}: stop={traj.stop_reason} turns={len(traj.turns)} invalid_calls={traj.invalid_calls} "
+          f"repeated_calls={traj.repeated_calls} best_reward={traj.best_reward} final_reward={traj.final_reward}")
+    print(f"saved {os.path.join(cfg.out, 'trajectory.jsonl')} and {best}/")
+    return 0 if traj.best_reward >= 1 else 1
+
+
+# --------------------------------------------------------------------------------------------------
+# dispatch
+# --------------------------------------------------------------------------------------------------
+
+
+def pop_preset(argv: list[str], presets: dict) -> tuple[str, list[str]]:
+    """(preset name, argv without `--preset NAME`); the first preset is the default."""
+    name, rest, i = next(iter(presets)), [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--preset" and i + 1 < len(argv):
+            name, i = argv[i + 1], i + 2
+            continue
+        if a.startswith("--preset="):
+            name = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+        i += 1
+    if name not in presets:
+        print(f"error: unknown --preset {name!r}; choose from {', '.join(presets)}", file=sys.stderr)
+        raise SystemExit(2)
+    return name, rest
+
+
 def cmd_train(argv: list[str]) -> int:
-    import ppo
-    cfg = parse_config(ppo.TrainConfig, argv, presets=ppo.PRESETS, prog="cuda_agent.py train",
-                       description="RL training: warm-up, RFT, value pretraining, agentic PPO (paper §3.3).")
-    return ppo.train(cfg)
+    name, argv = pop_preset(argv, train.PRESETS)
+    base = dataclasses.replace(train.PRESETS[name], preset=name)
+    cfg = tyro.cli(train.TrainConfig, args=argv, default=base, prog="cuda_agent.py train",
+                   description="RL training: warm-up, RFT, value pretraining, agentic PPO (paper §3.3). "
+                               f"--preset {'|'.join(train.PRESETS)} picks the defaults (first: default).")
+    return train.train(cfg)
+
+
+def cmd_check(argv: list[str]) -> int:
+    return check(tyro.cli(CheckConfig, args=argv, prog="cuda_agent.py check",
+                          description="Compile, verify and profile one solution in the sandbox."))
 
 
 def cmd_solve(argv: list[str]) -> int:
-    import env
-    cfg = parse_config(env.SolveConfig, argv, prog="cuda_agent.py solve", positional=("task",),
-                       description="Run one agent episode on one task and save the best solution.")
-    return env.solve(cfg)
+    return solve(tyro.cli(SolveConfig, args=argv, prog="cuda_agent.py solve",
+                          description="Run one agent episode on one task and save the best solution."))
 
 
 def cmd_synth(argv: list[str]) -> int:
-    import synth
-    cfg = parse_config(synth.SynthConfig, argv, prog="cuda_agent.py synth",
-                       description="Synthesize training tasks: mine operators, compose, filter by running.")
-    return synth.main(cfg)
+    return synth.main(tyro.cli(synth.SynthConfig, args=argv, prog="cuda_agent.py synth",
+                               description="Synthesize training tasks: mine operators, compose, filter by running."))
 
 
 COMMANDS = {"train": cmd_train, "check": cmd_check, "solve": cmd_solve, "synth": cmd_synth}

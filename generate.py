@@ -1,86 +1,28 @@
 """Fast multi-turn generation for agent rollouts: per-episode KV caches kept across turns, continuous batching.
 
-What it does
-------------
-An agent episode is a long conversation that grows by one observation and one model turn at a time
-(paper §3.2 and §3.3: up to 150 turns, 128k context). The plain path (`HFPolicy` before this module, and the
-`plain` loop in `scripts/bench_generate.py`) re-renders and re-encodes the whole conversation with
-`model.generate` every turn: prefill cost grows with the conversation, so a rollout is quadratic in turns,
+An agent episode grows by one observation and one model turn at a time (paper §3.2-3.3: up to 150 turns,
+128k context). Re-encoding the whole conversation with `model.generate` every turn is quadratic in turns
 and a batch waits for its longest row. `Engine` removes both costs:
-
-* `Engine.step([(episode_id, new_ids), ...])` feeds ONLY the tokens appended since the episode's last call
-  (observation + generation-prompt suffix; the whole prompt on the first call) on top of the episode's
-  cached keys/values, then samples up to `max_new_tokens`. The last sampled token of a turn is not yet in
-  the cache; it is fed first on the next turn, so every token of a conversation enters the model exactly
-  once (`Engine.fed` counts it; tests/test_generate.py checks it).
-  `Engine.step_full([(episode_id, all_ids), ...])` takes the full rendered conversation instead and feeds
-  the part after the longest common prefix with what the episode has cached (it rewinds the cache if the
-  chat template re-rendered an earlier token differently), which is what `policy.HFPolicy` needs.
-* Continuous batching: up to `max_batch` rows decode together with ragged cache lengths. A row that hits a
-  stop id or its budget leaves (its cache is copied out; dead rows are compacted away once
-  `compact_min` of them accumulate) and waiting requests join mid-turn once `admit_min` slots are free
-  (their new tokens are prefilled as a group and the group joins the running decode batch).
-
-Layout and why not the library's continuous batching
-----------------------------------------------------
-transformers 5 ships `generate_batch` / `ContinuousBatchingManager` (paged KV cache, background thread). It
-frees a request's blocks when the request ends, and its prefix sharing only reuses complete blocks of
-prompts it has seen; it cannot hold an episode's exact cache (including the partial last block and the
-pending sampled token) across a tool call that takes minutes, per-request torch.Generators are not part
-of its API, and the module changes between 5.17 (GPU image) and 5.24 (CI). So this is a manual decode loop
-over the model's own forward, using the library where it fits:
-* the batched cache is a `transformers.Cache` of `StaticLayer`s (`_RaggedLayer`) whose buffers are views of
-  one preallocated arena `(layers, 2, max_batch, kv_heads, C, head_dim)`; row b holds its episode's tokens
-  at columns [0, len_b) with no padding holes, so column == RoPE position and a row writes each new token
-  at its own column (StaticLayer.update uses one shared write position; ours writes per row);
-* the 4D mask `(B, 1, q, C)` is built here (`col <= len_b + i`) and passed straight through
-  `create_causal_mask` (its documented 4D early exit);
-* attention is registered through `AttentionInterface` for the engine's calls only: decode folds the
-  query heads that share a kv head into the query axis, so grouped-query attention reads K/V once
-  instead of `repeat_kv`-copying them (8x for Qwen3-30B-A3B) as transformers' sdpa path does with a mask;
-* the MoE experts run with whatever `experts_implementation` the model has (transformers' default is
-  `grouped_mm` where it can dispatch; `Engine(experts=...)` sets another one for the engine's calls).
-Episode caches live between turns as compact tensors `(layers, 2, kv_heads, n, head_dim)` and are copied
-into the arena at the start of a `step` and out when the row finishes (a memcpy of the cache per turn,
-small next to a turn's decode steps).
-
-Sampling and log-probs
-----------------------
-Each episode has its own CPU `torch.Generator` (`episode_generator(seed, episode_id)`), and a sampled token
-uses exactly one uniform draw from it (inverse CDF over temperature/top-k/top-p-filtered probabilities), so
-the draw does not depend on which other episodes share the batch, the batch order or the device.
-Returned log-probs are `log_softmax(logits)` at temperature 1, unfiltered: the behaviour policy's
-log-prob of the sampled token under the raw model. The PPO ratio recomputes log-probs on the training
-side anyway (the paper's first collapse came from a train/inference precision mismatch, §3.3).
+  * `Engine.step_full([(episode_id, all_ids), ...])` feeds only the part after the longest common prefix
+    with what the episode has cached (rewinding if the template re-rendered a token), then samples; every
+    token of a conversation enters the model once (`Engine.fed`). policy.HFPolicy calls it once per turn.
+  * Continuous batching: up to `max_batch` rows decode together with ragged cache lengths; finished rows
+    leave, waiting requests join mid-turn.
+  * Each episode has its own CPU torch.Generator and one uniform draw per token, so samples do not depend on
+    the batch; returned log-probs are log_softmax(logits) at temperature 1, unfiltered.
+The cache layout and why transformers' own continuous batching does not fit are explained above `Engine`.
 
 Departures from the paper
--------------------------
-1. The paper's RL framework generates with a dedicated inference server; we generate with the training
-   model itself (transformers forward, LoRA adapter live), which needs no adapter reload after an update.
-   A vLLM backend is an extension point only (`RolloutBackend` below), because vLLM is not on our GPU
-   image and untested backend code is worse than none.
-2. Sliding-window attention and non-attention (linear/SSM) layers are not supported by the ragged arena;
-   the engine asserts a plain full-attention decoder (Qwen3-MoE, Qwen3, Llama families).
+  1. The paper generates with a dedicated inference server; we generate with the training model itself
+     (LoRA adapter live, no reload after an update). `RolloutBackend` is the extension point for vLLM.
+  2. Sliding-window and non-attention (linear/SSM) layers are not supported by the ragged arena.
 
-Correctness
------------
-In fp32 on CPU, greedy tokens equal the plain path's (`model.generate` on the re-encoded conversation, and
-`plain_turn`, a full-recompute sampler that shares `sample_next`), and sampled tokens equal `plain_turn`'s
-with the same per-episode generators (tests/test_generate.py). In bf16 on GPU, batching and padding
-change the reduction order, so logits differ by rounding; `scripts/bench_generate.py` reports the
-fraction of identical greedy turns and max |delta logprob| over identical prefixes.
-
-How policy.HFPolicy uses it (one engine per rollout phase; the model is the live training model):
-    engine = Engine(model, tok, max_batch=64, max_new_tokens=..., temperature=..., top_p=..., top_k=...,
-                    seed=..., stop_ids={end_of_turn_id}, cuda_graphs=True)
-    outs = engine.step_full([(s.episode_id, prompt_ids(s)) for s in states])   # full rendered ids per episode
-    # -> [(episode_id, sampled_ids incl. the stop id, logprobs at T=1, "stop" | "length" | "context")]
-    engine.release(episode_id)   # when an episode ends; drop the engine after a weight update (stale caches)
+Correctness: in fp32 on CPU greedy tokens equal `model.generate`'s and sampled tokens equal `plain_turn`'s
+with the same generators (tests/test_generate.py); in bf16 on GPU scripts/bench_generate.py reports the
+share of identical greedy turns.
 
 Smoke: python -m pytest -q tests/test_generate.py
-Bench (CPU toy): python scripts/bench_generate.py --device cpu --preset toy
-Bench (H200):   python scripts/bench_generate.py --preset small --out bench_small.json
-                python scripts/bench_generate.py --preset a3b --out bench_a3b.json
+Bench: python scripts/bench_generate.py --preset small --out bench_small.json     (H200)
 """
 from __future__ import annotations
 
@@ -227,6 +169,29 @@ class _Row:
 # --------------------------------------------------------------------------------------------------
 # the engine
 # --------------------------------------------------------------------------------------------------
+
+
+# Why not the library's continuous batching, and the cache layout
+# transformers 5 ships `generate_batch` / `ContinuousBatchingManager` (paged KV cache, background thread). It
+# frees a request's blocks when the request ends, and its prefix sharing only reuses complete blocks of
+# prompts it has seen; it cannot hold an episode's exact cache (including the partial last block and the
+# pending sampled token) across a tool call that takes minutes, per-request torch.Generators are not part
+# of its API, and the module changes between 5.17 (GPU image) and 5.24 (CI). So this is a manual decode loop
+# over the model's own forward, using the library where it fits:
+# * the batched cache is a `transformers.Cache` of `StaticLayer`s (`_RaggedLayer`) whose buffers are views of
+#   one preallocated arena `(layers, 2, max_batch, kv_heads, C, head_dim)`; row b holds its episode's tokens
+#   at columns [0, len_b) with no padding holes, so column == RoPE position and a row writes each new token
+#   at its own column (StaticLayer.update uses one shared write position; ours writes per row);
+# * the 4D mask `(B, 1, q, C)` is built here (`col <= len_b + i`) and passed straight through
+#   `create_causal_mask` (its documented 4D early exit);
+# * attention is registered through `AttentionInterface` for the engine's calls only: decode folds the
+#   query heads that share a kv head into the query axis, so grouped-query attention reads K/V once
+#   instead of `repeat_kv`-copying them (8x for Qwen3-30B-A3B) as transformers' sdpa path does with a mask;
+# * the MoE experts run with whatever `experts_implementation` the model has (transformers' default is
+#   `grouped_mm` where it can dispatch; `Engine(experts=...)` sets another one for the engine's calls).
+# Episode caches live between turns as compact tensors `(layers, 2, kv_heads, n, head_dim)` and are copied
+# into the arena at the start of a `step` and out when the row finishes (a memcpy of the cache per turn,
+# small next to a turn's decode steps).
 
 
 class Engine:

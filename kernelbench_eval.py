@@ -1,50 +1,24 @@
-"""KernelBench evaluation: the paper's Table 1 metrics (pass rate, faster-than-eager/compile rates, geomean
-speedups) plus KernelBench's fast_p, for any policy (agent mode) or for pre-generated kernels (samples mode).
+"""KernelBench evaluation (paper §4.1, Table 1): pass rate, faster-than-eager / -compile rates, geomean speedups
+(over correct solutions) and KernelBench's fast_p, per level and pooled, for a policy (agent mode) or for
+pre-generated kernels (samples mode). Every candidate is judged by the trainer's sandbox pool and reward.py,
+so evaluation and training cannot drift; one record per problem keeps its best solution (§4.1). Problems
+come from tasks.load_kernelbench (a checkout, a .jsonl in the HF schema, a save_to_disk folder, the hub).
 
-Every candidate is scored by the sandbox the trainer uses (`sandbox.SandboxPool` -> `sandbox.check`), so
-evaluation and training can never drift (style principle 8); "correct" is reward.py's Eq. 1 notion (compiled,
-correct, no violation). One record per problem: the best verified solution of its trajectory (agent mode) or
-the best of its samples (samples mode), as the paper scores "the best solution of each trajectory" (§4.1).
+Departures from the paper / KernelBench
+  1. Timings, tolerances and precision are the sandbox's (atol = rtol = 1e-2 as the paper, TF32 for baselines
+     and candidate alike when precision="auto"), not KernelBench's harness; summary.json records precision.
+  2. Known-degenerate problems (L2 23/80/83, L1 94/96/100) are scored but flagged, and report.md gives every
+     metric again without them (`--no-flag-degenerate`: off).
+  3. A harness crash is a failure with `harness_error`, retried on resume; a candidate's failure is not.
+  4. A best solution that was only verified is profiled once more, so its speedups are measured.
+  5. The sandbox's memory cap is 64 GB per child here (KernelBench L1 tensors reach 8 GB).
 
-Problems come from a local KernelBench checkout (`--kernelbench-dir`, `KernelBench/level{N}/{id}_{Name}.py`)
-or the HF dataset `ScalingIntelligence/KernelBench` (splits level_1..level_4; columns code, level, name,
-problem_id) read through `datasets` (optional import), a `save_to_disk` folder, or a local .jsonl with the
-same columns (read without `datasets`; the same row -> Problem code path).
-
-Metrics (paper Table 1; computed per level and overall, overall pooled over problems so it is weighted by
-problem count):
-  pass_rate       correct / n
-  faster_eager    correct and t < t_eager (plainly faster: no 5% margin, unlike the reward) / n
-  faster_compile  correct and t < t_compile / n
-  geomean_eager   geometric mean of t_eager / t over correct solutions (None when none is correct)
-  geomean_compile geometric mean of t_compile / t over correct solutions
-  fast_p          KernelBench: share of all n that are correct with t_eager / t > p, p in {0, 1, 1.5, 2}
-                  (fast_0 = pass rate); `fast_p_compile` is the same against torch.compile.
-
-Departures from the paper / KernelBench:
-  1. Timings, tolerances and precision are the sandbox's (SandboxConfig; atol = rtol = 1e-2 as the paper,
-     TF32 for baselines and candidate alike when precision="auto"), not KernelBench's harness (1e-4 on main,
-     L2 flush). Every verdict records the precision its baselines ran with; summary.json reports it.
-  2. Known-degenerate problems (L2 23, 80, 83: constant or near-zero outputs; L1 94, 96, 100: losses with an
-     analytic shortcut) are flagged: they are scored like all others (so totals stay comparable to the paper)
-     but report.md lists them and gives every metric again without them (`--no-flag-degenerate`: off).
-  3. A crash of the harness itself (not of the candidate) is recorded as a failure with `harness_error`
-     and retried on resume; a candidate's own failure is a verdict and is never retried.
-  4. Agent mode keeps the env's best verdict (highest Eq. 1 tier, then fastest); a best solution that was only
-     verified, never profiled, is profiled once more so its speedups are measured, not assumed.
-  5. KernelBench's current shapes are large (many L1 inputs and outputs are 4-8 GB), so the sandbox's memory
-     cap is raised to 64 GB per child here (`--mem-limit-mb`); samples mode picks the best sample by
-     correctness then candidate time (KernelBench's scripts score every sample; we report the best per problem).
-
-Smoke (CPU, fixtures, samples mode; ~1.5 min):
-  python kernelbench_eval.py --kernelbench-dir tests/fixtures/kernelbench --level 1,2 \
-      --samples-dir tests/fixtures/kernelbench/samples --device cpu --no-profile --out runs/kb_smoke
-Samples demo (GPU; our own honest kernels for 5 real problems, KernelBench files in .carry/KernelBench):
-  python kernelbench_eval.py --kernelbench-dir .carry --level 1,2 --samples-dir scripts/kb_samples \
-      --samples-only --device cuda --out runs/kb_demo
-Full (GPU node, agent mode, the paper's Table 1 set: L1, L2 and L3 with a trained adapter, 200 turns):
-  python kernelbench_eval.py --level 1,2,3 --policy hf --model BASE --adapter runs/train/adapter \
-      --device cuda --gpus 0,1,2,3 --out runs/kb_eval
+Smoke (CPU, fixtures, samples mode):
+  python kernelbench_eval.py --kernelbench-dir tests/fixtures/kernelbench --level 1 2 \
+      --samples-dir tests/fixtures/kernelbench/samples --sandbox.device cpu --sandbox.no-profile --out runs/kb_smoke
+Full (GPU node, agent mode, the paper's Table 1 set: L1-L3 with a trained adapter, 200 turns):
+  python kernelbench_eval.py --level 1 2 3 --policy.kind hf --policy.model BASE --policy.adapter ADAPTER \
+      --gpus 0 1 2 3 --out runs/kb_eval
 """
 from __future__ import annotations
 
@@ -58,7 +32,18 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+import matplotlib.pyplot as plt
+import matplotlib.ticker
+import torch
+from tqdm import tqdm
+
+import env
+import policy
 import reward
+import sandbox
+import tasks
+import tools
+from tasks import Task
 
 # KernelBench's own representative subsets (src/kernelbench/dataset.py, LEVEL{N}_REPRESENTATIVE_IDS).
 REPRESENTATIVE = {
@@ -66,7 +51,7 @@ REPRESENTATIVE = {
     2: [1, 2, 8, 18, 23, 28, 33, 43],
     3: [1, 5, 8, 11, 20, 21, 33, 38, 43],
 }
-# Problems whose score says little about kernel skill (paper-notes §6, "hacks seen in public harnesses").
+# Problems whose score says little about kernel skill (hacks seen in public harnesses).
 DEGENERATE = {
     (2, 23): "constant output: mean over a GroupNorm output is ~the mean of its bias",
     (2, 80): "constant output: max over dim 1 (keepdim) minus its own mean is 0, GELU(0) = 0",
@@ -82,61 +67,25 @@ SAMPLE_RE = re.compile(r"^level_(\d+)_problem_(\d+)_sample_(\d+)_kernel\.py$")
 @dataclass
 class EvalConfig:
     level: list[int] = field(default_factory=lambda: [1])
-    """KernelBench levels to evaluate, comma-separated (1..4)"""
+    """KernelBench levels to evaluate (1..4)"""
     kernelbench_dir: str | None = None
     """local KernelBench checkout: a folder holding KernelBench/level{N}/{id}_{Name}.py (or level{N}/ itself)"""
     hf_dataset: str = "ScalingIntelligence/KernelBench"
     """used when --kernelbench-dir is unset: HF hub name (needs `datasets`), a save_to_disk folder, or a .jsonl"""
     problems: list[int] = field(default_factory=list)
-    """problem ids to keep, comma-separated (empty: all problems of each level)"""
+    """problem ids to keep (empty: all problems of each level)"""
     subset: str = "all"
     """"all" or "representative" (KernelBench's small representative subset of levels 1-3)"""
     samples_dir: str | None = None
     """samples mode: score files level_{L}_problem_{P}_sample_{S}_kernel.py here (unset: agent mode)"""
     samples_only: bool = False
     """samples mode: keep only problems with a sample file (default: a missing sample counts as a failure)"""
-    policy: str = "replay"
-    """agent mode: the policy kind for policy.make_policy ("replay" | "hf" | "openai")"""
-    model: str | None = None
-    """agent mode: hf checkpoint path (or "tiny"), or the served model name for openai"""
-    adapter: str | None = None
-    """agent mode, hf: optional peft adapter directory (a trained run's LoRA)"""
-    endpoint: str = "http://127.0.0.1:8000/v1"
-    """agent mode, openai: base URL of an OpenAI-compatible server"""
-    api_key_env: str = "OPENAI_API_KEY"
-    """agent mode, openai: environment variable holding the API key"""
-    script: str | None = None
-    """agent mode, replay: trajectory JSONL or JSON list of assistant messages (the same for every problem)"""
-    max_turns: int = 200
-    """agent mode: turn budget per problem (paper: 200 in evaluation)"""
-    max_context_tokens: int = 131072
-    """agent mode: stop an episode when its conversation reaches this many tokens (paper: 128k)"""
-    max_new_tokens: int = 4096
-    """agent mode: tokens per assistant turn"""
-    temperature: float = 0.7
-    """agent mode: sampling temperature"""
     batch: int = 8
     """agent mode: problems whose episodes run together (one batched policy call per turn)"""
     out: str = "runs/kernelbench"
     """output folder: summary.json, results.jsonl, report.md, speedup_distribution.png"""
-    device: str = "cuda"
-    """sandbox device: "cuda" or "cpu" (CPU runs are for smoke tests only)"""
     gpus: list[int] = field(default_factory=list)
-    """GPU ids for the sandbox pool, comma-separated (empty: all visible GPUs / none on cpu)"""
-    atol: float = 1e-2
-    """absolute tolerance for correctness (paper: 1e-2)"""
-    rtol: float = 1e-2
-    """relative tolerance for correctness (paper: 1e-2)"""
-    precision: str = "auto"
-    """"fp32" | "tf32" | "auto" (tf32 for baselines and candidate iff rtol >= 1e-3)"""
-    n_trials: int = 5
-    """correctness trials, fresh seeded inputs each"""
-    profile: bool = True
-    """time candidates and baselines (--no-profile: correctness only, speedups are None; smoke tests)"""
-    mem_limit_mb: int = 65536
-    """host memory per sandbox child, also the candidate's GPU memory cap (KernelBench L1 inputs reach 8 GB)"""
-    cache_dir: str = field(default_factory=lambda: os.environ.get("CUDA_AGENT_CACHE", "~/.cache/cuda_agent"))
-    """sandbox compile + baseline cache, reused across runs (default: $CUDA_AGENT_CACHE, else ~/.cache/cuda_agent)"""
+    """GPU ids for the sandbox pool (empty: all visible GPUs / none on cpu)"""
     prewarm_workers: int = 8
     """compile the torch.compile baselines of uncached problems this many at a time before anything is timed
     (sandbox.prewarm; 0 = off, each problem then compiles inside its timed reference run)"""
@@ -145,16 +94,16 @@ class EvalConfig:
     resume: bool = True
     """skip problems already in OUT/results.jsonl (--no-resume starts the file afresh)"""
     seed: int = 0
-    """seed for the sandbox's correctness inputs and the policy"""
-
-
-@dataclass
-class Problem:
-    level: int
-    problem_id: int
-    name: str
-    code: str
-    path: str | None = None
+    """the one seed: the sandbox's correctness inputs and the policy's sampling"""
+    policy: policy.PolicyConfig = field(default_factory=policy.PolicyConfig)
+    """agent mode: who acts (--policy.kind replay | hf | openai, --policy.model, --policy.adapter)"""
+    env: env.EnvConfig = field(default_factory=lambda: env.EnvConfig(max_turns=200))
+    """agent mode: the episode (paper: 200 turns in evaluation); its work_dir is OUT/workspaces and its final
+    check follows --sandbox.profile"""
+    sandbox: sandbox.SandboxConfig = field(default_factory=lambda: sandbox.SandboxConfig(device="cuda",
+                                                                                         mem_limit_mb=65536))
+    """how candidates are judged: --sandbox.device cuda | cpu (cpu for smoke tests only), --sandbox.atol,
+    --sandbox.no-profile (correctness only), --sandbox.mem-limit-mb (KernelBench L1 inputs reach 8 GB)"""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -162,63 +111,12 @@ class Problem:
 # --------------------------------------------------------------------------------------------------
 
 
-def _level_dir(root: str, level: int) -> str:
-    for cand in (os.path.join(root, "KernelBench", f"level{level}"), os.path.join(root, f"level{level}")):
-        if os.path.isdir(cand):
-            return cand
-    raise FileNotFoundError(f"no KernelBench/level{level} (nor level{level}) under {root}")
-
-
-def load_local(root: str, level: int) -> list[Problem]:
-    """KernelBench checkout layout: KernelBench/level{N}/{id}_{Name}.py."""
-    out = []
-    d = _level_dir(root, level)
-    for fn in os.listdir(d):
-        m = re.match(r"^(\d+)_(.+)\.py$", fn)
-        if not m:
-            continue
-        path = os.path.join(d, fn)
-        with open(path) as f:
-            out.append(Problem(level, int(m.group(1)), m.group(2), f.read(), path))
-    return out
-
-
-def _hf_rows(source: str, level: int) -> list[dict]:
-    """Rows {code, level, name, problem_id} of split level_{N}, from a .jsonl, a save_to_disk folder or the hub."""
-    split = f"level_{level}"
-    if source.endswith((".jsonl", ".json")):                      # local file in the HF schema, no dependency
-        with open(source) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-        return [r for r in rows if int(r["level"]) == level]
-    try:
-        import datasets                                             # optional: only this path needs it
-    except ImportError as e:
-        raise RuntimeError(f"reading {source!r} needs the `datasets` package (pip install datasets), "
-                           "or pass --kernelbench-dir / a .jsonl in the same schema") from e
-    if os.path.isdir(source):
-        ds = datasets.load_from_disk(source)
-        ds = ds[split] if isinstance(ds, datasets.DatasetDict) else ds
-    else:
-        ds = datasets.load_dataset(source, split=split)
-    return [r for r in ds if int(r["level"]) == level]
-
-
-def load_hf(source: str, level: int) -> list[Problem]:
-    rows = _hf_rows(source, level)
-    for r in rows:
-        missing = {"code", "level", "name", "problem_id"} - set(r)
-        assert not missing, f"{source}: row lacks KernelBench columns {sorted(missing)}"
-    # names in the dataset are file names ("19_ReLU.py"); keep the part after the id, as load_local does
-    return [Problem(level, int(r["problem_id"]),
-                    re.sub(r"^\d+_", "", str(r["name"])).removesuffix(".py"), r["code"]) for r in rows]
-
-
-def load_problems(cfg: EvalConfig) -> list[Problem]:
+def load_problems(cfg: EvalConfig) -> list[Task]:
     """All problems of the chosen levels, filtered by --problems and --subset, sorted by (level, id)."""
     assert cfg.subset in ("all", "representative"), f"--subset must be all|representative, got {cfg.subset!r}"
     out = []
     for level in cfg.level:
-        probs = load_local(cfg.kernelbench_dir, level) if cfg.kernelbench_dir else load_hf(cfg.hf_dataset, level)
+        probs = tasks.load_kernelbench(cfg.kernelbench_dir or cfg.hf_dataset, [level])
         ids = {p.problem_id for p in probs}
         if cfg.problems:
             probs = [p for p in probs if p.problem_id in set(cfg.problems)]
@@ -274,7 +172,7 @@ def error_verdict(msg: str, stage: str = "load") -> dict:
     """A failing verdict for a problem the harness could not score (no candidate, or a harness crash)."""
     return {"compiled": False, "correct": False, "violation": None, "error": msg, "eager_ms": None,
             "compile_ms": None, "candidate_ms": None, "speedup_eager": None, "speedup_compile": None,
-            "reward": -1.0, "stage": stage, "precision": None, "device": None, "compile_log": "",
+            "stage": stage, "precision": None, "device": None, "compile_log": "",
             "trials": [], "timings": {}}
 
 
@@ -284,7 +182,7 @@ def candidate_line(v: dict, source: str) -> dict:
             "why": v.get("violation") or v.get("error")}
 
 
-def make_record(p: Problem, v: dict, source: str, n_candidates: int, flag: bool,
+def make_record(p: Task, v: dict, source: str, n_candidates: int, flag: bool,
                 harness_error: str | None = None, candidates: list[dict] | None = None) -> dict:
     ok = passed(v)
     se, sc = _speedup(v, "eager_ms", "speedup_eager"), _speedup(v, "compile_ms", "speedup_compile")
@@ -445,10 +343,6 @@ def write_report(path: str, summary: dict, records: list[dict], cfg: EvalConfig)
 
 def plot_speedups(path: str, records: list[dict]) -> None:
     """Histogram of log-speedups of correct solutions, one panel per level (vs eager and vs compile)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
     levels = sorted({r["level"] for r in records}) or [0]
     fig, axes = plt.subplots(1, len(levels), figsize=(5 * len(levels), 3.5), squeeze=False)
     for ax, L in zip(axes[0], levels):
@@ -480,10 +374,8 @@ def plot_speedups(path: str, records: list[dict]) -> None:
 
 def make_pool(cfg: EvalConfig, scfg):
     """The trainer's sandbox pool (compiles on CPU cores, verify/profile one job per GPU)."""
-    import sandbox
     gpus = None
-    if cfg.device == "cuda":
-        import torch
+    if cfg.sandbox.device == "cuda":
         gpus = cfg.gpus or list(range(torch.cuda.device_count()))
         assert gpus, "--device cuda but no GPU is visible"
     return sandbox.SandboxPool(scfg, gpus=gpus)
@@ -499,7 +391,7 @@ def _result(fut) -> tuple[dict, str | None]:
         return error_verdict(msg, stage="harness"), msg
 
 
-def run_samples(todo: list[Problem], pool, cfg: EvalConfig, scfg, emit) -> None:
+def run_samples(todo: list[Task], pool, cfg: EvalConfig, scfg, emit) -> None:
     """Samples mode: every sample of every problem goes to the pool at once; a problem is recorded when its
     last sample is scored, keeping its best sample (the paper's "best solution of each trajectory")."""
     found = find_samples(cfg.samples_dir)
@@ -540,43 +432,37 @@ def _collect(futs: dict, slots: dict, cfg: EvalConfig, emit) -> None:
 
 
 def _policy(cfg: EvalConfig):
-    import policy as policy_mod
-    return policy_mod.make_policy(cfg.policy, model=cfg.model, adapter=cfg.adapter, endpoint=cfg.endpoint,
-                                  api_key_env=cfg.api_key_env, script=cfg.script, device=cfg.device,
-                                  max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed)
+    return policy.make_policy(cfg.policy, device=cfg.sandbox.device, seed=cfg.seed)
 
 
-def _best_of_trajectory(p: Problem, t, pool, cfg: EvalConfig, scfg) -> dict:
+def _best_of_trajectory(p: Task, t, pool, cfg: EvalConfig, scfg) -> dict:
     """The trajectory's best verdict (the env keeps it: highest Eq. 1 tier, then fastest); if that solution
     was only verified, never profiled, profile its snapshot once so its speedups are measured."""
-    import env
     v = t.best_verdict
     if v is None:
         return error_verdict("the episode produced no verified solution", stage="load")
     ws = os.path.join(cfg.out, "best", f"level_{p.level}_problem_{p.problem_id}")
-    env.make_workspace(ws, p.code, cfg.device)
-    for rel in list(env.snapshot(ws)):          # scaffold out, best snapshot in (as env.solve does)
+    tools.make_workspace(ws, p.code, cfg.sandbox.device)
+    for rel in list(tools.snapshot(ws)):          # scaffold out, best snapshot in (as `solve` does)
         os.remove(os.path.join(ws, rel))
-    env.write_files(ws, t.best_files)
-    if cfg.profile and passed(v) and v.get("candidate_ms") is None:
+    tools.write_files(ws, t.best_files)
+    if cfg.sandbox.profile and passed(v) and v.get("candidate_ms") is None:
         v = pool.submit(p.code, ws, scfg).result().to_dict()
     return v
 
 
-def run_agent(todo: list[Problem], pool, cfg: EvalConfig, scfg, emit) -> None:
+def run_agent(todo: list[Task], pool, cfg: EvalConfig, scfg, emit) -> None:
     """Agent mode: env.run_episodes runs the policy on `cfg.batch` problems at a time (one policy.act per
-    turn over all active episodes, up to cfg.max_turns turns); every check goes through the same pool.
+    turn over all active episodes, up to cfg.env.max_turns turns); every check goes through the same pool.
     Trajectories are appended to OUT/trajectories.jsonl, best solutions kept in OUT/best/."""
-    import env
     pol = _policy(cfg)
-    ecfg = env.EnvConfig(max_turns=cfg.max_turns, max_context_tokens=cfg.max_context_tokens, device=cfg.device,
-                         work_dir=os.path.join(cfg.out, "workspaces"), final_check=cfg.profile, sandbox=scfg)
+    ecfg = dataclasses.replace(cfg.env, work_dir=os.path.join(cfg.out, "workspaces"), final_check=cfg.sandbox.profile)
     for i in range(0, len(todo), cfg.batch):
         chunk = todo[i:i + cfg.batch]
-        tasks = [{"source": p.code, "name": f"level_{p.level}_problem_{p.problem_id}_{p.name}"} for p in chunk]
+        named = [dataclasses.replace(p, name=f"level_{p.level}_problem_{p.problem_id}_{p.name}") for p in chunk]
         try:
-            trajs = env.run_episodes(pol, tasks, pool, ecfg, id_offset=i)
-            env.save_trajectories(os.path.join(cfg.out, "trajectories.jsonl"), trajs, append=True)
+            trajs = env.run_episodes(pol, named, pool, ecfg, id_offset=i)
+            tasks.save_trajectories(os.path.join(cfg.out, "trajectories.jsonl"), trajs, append=True)
         except Exception as e:  # noqa: BLE001 - one failing batch never ends the run
             msg = f"harness crash: {type(e).__name__}: {e}"[:400]
             for p in chunk:
@@ -589,7 +475,7 @@ def run_agent(todo: list[Problem], pool, cfg: EvalConfig, scfg, emit) -> None:
                 err = f"harness crash: {type(e).__name__}: {e}"[:400]
                 v = error_verdict(err, "harness")
             n_checks = sum(1 for turn in t.turns for c in turn.get("calls", []) if c.get("verdict"))
-            emit(make_record(p, v, f"agent:{cfg.policy} stop={t.stop_reason} turns={len(t.turns)}", n_checks,
+            emit(make_record(p, v, f"agent:{cfg.policy.kind} stop={t.stop_reason} turns={len(t.turns)}", n_checks,
                              cfg.flag_degenerate, err))
 
 
@@ -599,15 +485,11 @@ def run_agent(todo: list[Problem], pool, cfg: EvalConfig, scfg, emit) -> None:
 
 
 def sandbox_config(cfg: EvalConfig):
-    import sandbox
-    return sandbox.SandboxConfig(device=cfg.device, atol=cfg.atol, rtol=cfg.rtol, n_trials=cfg.n_trials,
-                                 precision=cfg.precision, cache_dir=cfg.cache_dir, seed=cfg.seed,
-                                 profile=cfg.profile, mem_limit_mb=cfg.mem_limit_mb)
+    return dataclasses.replace(cfg.sandbox, seed=cfg.seed)
 
 
 def main(cfg: EvalConfig) -> int:
-    from tqdm import tqdm
-    assert cfg.device in ("cuda", "cpu"), f"--device must be cuda|cpu, got {cfg.device!r}"
+    assert cfg.sandbox.device in ("cuda", "cpu"), f"--sandbox.device must be cuda|cpu, got {cfg.sandbox.device!r}"
     assert cfg.samples_dir is None or os.path.isdir(cfg.samples_dir), f"no samples dir {cfg.samples_dir}"
     try:
         problems = load_problems(cfg)
@@ -634,7 +516,7 @@ def main(cfg: EvalConfig) -> int:
     if todo:
         scfg = sandbox_config(cfg)
         pool = make_pool(cfg, scfg)
-        if cfg.prewarm_workers > 0 and cfg.profile:  # phase 1: compile in parallel; phase 2 times one per GPU
+        if cfg.prewarm_workers > 0 and cfg.sandbox.profile:  # phase 1: compile in parallel; phase 2 times one per GPU
             t0 = time.time()
             wb = tqdm(desc="prewarm torch.compile (uncached problems)", dynamic_ncols=True)
             warmed = pool.prewarm([p.code for p in todo], cfg.prewarm_workers, on_done=lambda h, err: wb.update(1))
@@ -684,6 +566,5 @@ def main(cfg: EvalConfig) -> int:
 
 
 if __name__ == "__main__":
-    from cuda_agent import parse_config
-    sys.exit(main(parse_config(EvalConfig, sys.argv[1:], prog="kernelbench_eval.py",
-                               description="KernelBench evaluation: paper Table 1 metrics + fast_p.")))
+    import tyro   # the command line only: library users of this module do not need it
+    sys.exit(main(tyro.cli(EvalConfig, description="KernelBench evaluation: paper Table 1 metrics + fast_p.")))

@@ -1,42 +1,22 @@
-"""Policies that drive the agent loop: local transformers model, OpenAI-compatible endpoint, replay; the
+"""Policies that drive the agent loop: a local transformers model, an OpenAI-compatible endpoint, replay; the
 tool-call parser; the tiny MoE + local tokenizer for tests; the real checkpoint loader.
 
-What it does
-  * The Policy interface (defined in env.py, re-exported here; env.py never imports this module). A policy
-    is any object with one method
-        act(states: list[EpisodeState]) -> list[Action]
-    called once per turn on all active episodes (issue 3 §6), and optionally release(episode_id). An
-    EpisodeState carries the episode id (stable across turns), the chat messages so far (OpenAI chat
-    format, `tool_calls` and the `tool` role included), the tool schemas and the episode's tokenisation
-    cache. An Action carries the assistant text, the parsed tool calls (OpenAI format: {"id", "type":
-    "function", "function": {"name", "arguments": <JSON string>}}), one error string per malformed call,
-    and, for local policies, the sampled token ids (end-of-turn token included) and their log-probs, plus
-    finish_reason "stop" | "length" and the context length in tokens (for the episode's token budget).
-  * HFPolicy (local causal LM + optional peft adapter; what training uses): prompts are
-    env.tokenize_conversation(messages, tools, tok, add_generation_prompt=True), i.e. template segments
-    plus the earlier turns' sampled ids, so every prompt extends the previous prompt plus what was
-    sampled: the record re-tokenises exactly, and a KV cache can be carried across turns (`engine=`,
-    generate.Engine, issue 7). Without an engine: one batched `model.generate` per turn.
-  * OpenAIPolicy: any /v1/chat/completions endpoint (vLLM, SGLang, hosted APIs) over urllib, sending the
-    tool schemas, parsing `tool_calls` (or inline <tool_call> markup when the server has no tool parser),
-    retrying with exponential backoff, API key from an environment variable.
+  * A policy is any object with `act(states: list[EpisodeState]) -> list[Action]` (env.py defines both),
+    called once per turn on all active episodes, and optionally `release(episode_id)`.
+  * HFPolicy (what training uses): prompts are env.tokenize_conversation(..., add_generation_prompt=True),
+    so every prompt extends the previous one plus what was sampled: the record re-tokenises exactly, and a
+    KV cache can be carried across turns (`engine=`, generate.Engine). Without an engine: one batched
+    `model.generate` per turn.
+  * OpenAIPolicy: any /v1/chat/completions endpoint over urllib, with tool schemas, retries and backoff.
   * ReplayPolicy: plays back scripted or recorded assistant messages (tests, demos).
-  * parse_tool_calls: both Qwen3 formats, JSON inside <tool_call>...</tool_call> (Qwen2.5 / Qwen3) and
-    <tool_call><function=NAME><parameter=K>V</parameter></function></tool_call> (Qwen3-Coder). Trailing
-    text, several calls and garbage are tolerated; each malformed call becomes one error string.
-  * build_tiny_model_and_tokenizer(): a random ~0.7M-parameter Qwen3-MoE and a byte-level BPE tokenizer
-    trained on a fixed in-file corpus in well under a second, with a Qwen3-style tool chat template and
-    <|im_start|>, <|im_end|>, <tool_call>, </tool_call> as single tokens. No downloads.
-  * load_policy_model(): a real checkpoint + optional adapter (transformers 5 `dtype=`, peft).
+  * parse_tool_calls: JSON inside <tool_call> (Qwen3) and <function=NAME><parameter=K> (Qwen3-Coder).
+  * build_tiny_model_and_tokenizer(): a random ~0.7M-parameter Qwen3-MoE and a BPE tokenizer trained on a
+    fixed in-file corpus, with the chat template of data/prompts/tiny_chat_template.jinja. No downloads.
 
 Departures from the paper
   1. The paper's rollout engine is not published; we sample with the training-side model itself
-     (`model.generate`, or generate.Engine). Plain-path log-probs are log_softmax(logits / temperature)
-     of the sampled tokens before top-k/top-p filtering (generate.Engine documents its own); PPO
-     recomputes log-probs on the training side anyway (the paper traced a collapse to a train/inference
-     precision mismatch, §3.3).
-  2. The tiny tokenizer is trained on a small fixed corpus, not a real model's vocabulary: the tiny model
-     exists for tests and smoke runs only.
+     (`model.generate`, or generate.Engine); PPO recomputes log-probs on the training side (§3.3).
+  2. The tiny tokenizer is trained on a small fixed corpus: the tiny model exists for tests and smoke runs.
 
 Smoke: python -m pytest -q tests/test_policy.py
 Full:  python cuda_agent.py solve TASK --policy openai --model NAME --endpoint http://host:8000/v1
@@ -50,10 +30,17 @@ import re
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 
-# The interface types and the token bookkeeping live in env.py (the trajectory format is the env's);
-# re-exported here so trainers can say policy.tokenize_conversation.
-from env import Action, EpisodeState, Policy, end_of_turn, render, tokenize_conversation  # noqa: F401
+import torch
+from peft import PeftModel
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM)
+
+import generate
+import tools
+from env import Action, EpisodeState, end_of_turn, tokenize_conversation
 
 # --------------------------------------------------------------------------------------------------
 # Tool-call parsing
@@ -138,39 +125,9 @@ def parse_tool_calls(text: str, tools: list[dict] | None = None, id_prefix: str 
 # Tiny model + local tokenizer (tests, smoke runs) and the real loader
 # --------------------------------------------------------------------------------------------------
 
-# A Qwen3-style tool template (our own wording). Tool calls are JSON in <tool_call> blocks; tool results
-# go back in a user turn inside <tool_response> blocks, consecutive results sharing one turn.
-TINY_CHAT_TEMPLATE = r"""
-{%- if tools %}
-{{- '<|im_start|>system\n' }}
-{%- if messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}
-{{- '# Tools\n\nCall functions by writing JSON inside <tool_call></tool_call> tags. Available functions:\n<tools>' }}
-{%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}
-{{- '\n</tools>\n\nFormat:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n' }}
-{%- elif messages[0].role == 'system' %}
-{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
-{%- endif %}
-{%- for message in messages %}
-{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
-{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
-{%- elif message.role == 'assistant' %}
-{{- '<|im_start|>assistant\n' + (message.content or '') }}
-{%- for tc in (message.tool_calls or []) %}
-{%- set f = tc.function if tc.function is defined else tc %}
-{%- if loop.first and message.content %}{{- '\n' }}{%- elif not loop.first %}{{- '\n' }}{%- endif %}
-{{- '<tool_call>\n{"name": "' + f.name + '", "arguments": ' }}
-{%- if f.arguments is string %}{{- f.arguments }}{%- else %}{{- f.arguments | tojson }}{%- endif %}
-{{- '}\n</tool_call>' }}
-{%- endfor %}
-{{- '<|im_end|>\n' }}
-{%- elif message.role == 'tool' %}
-{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
-{{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}
-{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}
-{%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
-"""
+# A Qwen3-style tool template (our own wording), data/prompts/tiny_chat_template.jinja. Tool calls are JSON
+# in <tool_call> blocks; tool results go back in a user turn inside <tool_response> blocks.
+
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
@@ -205,14 +162,12 @@ TINY_CORPUS = [
     'The kernel reads the input once, writes the output once, and keeps the arithmetic in registers. '
     'First I will read model.py and the instructions, then write the kernel, compile it, verify the '
     'results against the reference, and profile it against eager PyTorch and torch.compile.\n',
-    TINY_CHAT_TEMPLATE,
+    tools.prompt("tiny_chat_template.jinja"),
 ]
 
 
 def build_tiny_tokenizer(vocab_size: int = 2048, corpus: list[str] | None = None):
     """Byte-level BPE trained on TINY_CORPUS (< 1 s), wrapped as a PreTrainedTokenizerFast."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
     corpus = corpus if corpus is not None else TINY_CORPUS * 4
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -222,7 +177,7 @@ def build_tiny_tokenizer(vocab_size: int = 2048, corpus: list[str] | None = None
     tok.train_from_iterator(corpus, trainer=trainer)
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                  additional_special_tokens=SPECIAL_TOKENS[1:] + TOOL_TOKENS)
-    hf.chat_template = TINY_CHAT_TEMPLATE
+    hf.chat_template = tools.prompt("tiny_chat_template.jinja")
     for t in SPECIAL_TOKENS + TOOL_TOKENS:
         assert len(hf.encode(t, add_special_tokens=False)) == 1, f"{t} must be a single token"
     return hf
@@ -232,8 +187,6 @@ def build_tiny_model_and_tokenizer(seed: int = 0, vocab_size: int = 2048, hidden
                                    num_layers: int = 2, num_experts: int = 4, top_k: int = 2,
                                    max_positions: int = 8192):
     """A random Qwen3-MoE (about 1M params at the defaults) and a local tokenizer. Returns (model, tok)."""
-    import torch
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
     tok = build_tiny_tokenizer(vocab_size)
     cfg = Qwen3MoeConfig(vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                          moe_intermediate_size=hidden_size, num_hidden_layers=num_layers,
@@ -251,13 +204,10 @@ def build_tiny_model_and_tokenizer(seed: int = 0, vocab_size: int = 2048, hidden
 def load_policy_model(name_or_path: str, adapter: str | None = None, dtype: str = "bfloat16",
                       device: str = "cuda", trainable_adapter: bool = False):
     """A real checkpoint (local dir or hub id already in the cache) + optional peft adapter. (model, tok)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(name_or_path)
     assert tok.chat_template, f"{name_or_path} has no chat template; tools need one"
     model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=getattr(torch, dtype), device_map=device)
     if adapter:
-        from peft import PeftModel
         model = PeftModel.from_pretrained(model, adapter, is_trainable=trainable_adapter)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
@@ -275,7 +225,7 @@ class HFPolicy:
     Plain path: `model.generate` on the left-padded prompts (re-encodes each conversation every turn).
     engine: a generate.Engine (or any object with its `step_full` / `release`): the prompts go to
     `engine.step_full([(episode_id, prompt_ids)])`, which feeds only the tokens after what the episode
-    already has in its KV cache and keeps the batch full (issue 7). Prompts are built the same way on
+    already has in its KV cache and keeps the batch full. Prompts are built the same way on
     both paths (tokenize_conversation), so the records are identical in format.
     """
 
@@ -286,7 +236,6 @@ class HFPolicy:
         self.seed, self.calls = seed, 0
         self.eot_id = tokenizer.convert_tokens_to_ids(end_of_turn(tokenizer))
         if engine is True:  # build the KV-cache-reusing engine for this model (make a new policy per update)
-            import generate
             engine = generate.Engine(model, tokenizer, max_batch=max_batch, max_new_tokens=max_new_tokens,
                                      temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                      stop_ids={self.eot_id}, cuda_graphs=next(model.parameters()).is_cuda)
@@ -302,7 +251,6 @@ class HFPolicy:
             self.engine.release(episode_id)
 
     def _sample_plain(self, prompts: list[list[int]]) -> list[tuple[list[int], list[float], str]]:
-        import torch
         dev = next(self.model.parameters()).device
         L = max(map(len, prompts))
         inp = torch.tensor([[self.pad_id] * (L - len(p)) + p for p in prompts], device=dev)   # (B, L) left-padded
@@ -474,30 +422,47 @@ class ReplayPolicy:
         return out
 
 
-def make_policy(kind: str, model: str | None = None, adapter: str | None = None,
-                endpoint: str = "http://127.0.0.1:8000/v1", api_key_env: str = "OPENAI_API_KEY",
-                script: str | None = None, device: str = "cpu", max_new_tokens: int = 4096,
-                temperature: float = 0.7, seed: int = 0, engine: bool = True):
-    """A policy from CLI-style settings: kind "replay" | "hf" | "openai" (see env.SolveConfig).
-    engine: for "hf", sample through generate.Engine (KV cache reused across turns) instead of the plain
-    re-encoding `model.generate` loop."""
-    if kind == "replay":
-        assert script, "--policy replay needs --script (a trajectory JSONL or a JSON list of messages)"
-        if script.endswith(".jsonl"):
-            return ReplayPolicy(script)
-        with open(script) as f:
+@dataclass
+class PolicyConfig:
+    kind: str = "replay"
+    """who acts: "replay" (scripted) | "hf" (local transformers model) | "openai" (chat endpoint)"""
+    model: str | None = None
+    """hf: checkpoint path, or "tiny" for a random tiny MoE; openai: the served model name"""
+    adapter: str | None = None
+    """hf: optional peft adapter directory (a trained run's LoRA)"""
+    endpoint: str = "http://127.0.0.1:8000/v1"
+    """openai: base URL of an OpenAI-compatible server (vLLM, SGLang, hosted API)"""
+    api_key_env: str = "OPENAI_API_KEY"
+    """openai: environment variable holding the API key"""
+    script: str | None = None
+    """replay: trajectory JSONL, or a JSON list of assistant messages (the same for every episode)"""
+    max_new_tokens: int = 4096
+    """tokens per assistant turn"""
+    temperature: float = 0.7
+    """sampling temperature (0: greedy)"""
+
+
+def make_policy(cfg: PolicyConfig, device: str = "cpu", seed: int = 0, engine: bool = True):
+    """The policy `cfg` describes. device: where an hf model runs (cuda: bf16); engine: for "hf", sample
+    through generate.Engine (KV cache reused across turns) instead of the re-encoding `model.generate` loop."""
+    if cfg.kind == "replay":
+        assert cfg.script, "--policy.kind replay needs --policy.script (a trajectory JSONL or a JSON list of messages)"
+        if cfg.script.endswith(".jsonl"):
+            return ReplayPolicy(cfg.script)
+        with open(cfg.script) as f:
             return ReplayPolicy(json.load(f))
-    if kind == "hf":
-        assert model, "--policy hf needs --model (a checkpoint path, or 'tiny')"
-        if model == "tiny":
+    if cfg.kind == "hf":
+        assert cfg.model, "--policy.kind hf needs --policy.model (a checkpoint path, or 'tiny')"
+        if cfg.model == "tiny":
             m, tok = build_tiny_model_and_tokenizer(seed=seed)
         else:
-            m, tok = load_policy_model(model, adapter=adapter, device=device if device == "cuda" else "cpu",
+            m, tok = load_policy_model(cfg.model, adapter=cfg.adapter, device=device if device == "cuda" else "cpu",
                                        dtype="bfloat16" if device == "cuda" else "float32")
         m.eval()
-        return HFPolicy(m, tok, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, engine=engine)
-    if kind == "openai":
-        assert model, "--policy openai needs --model (the served model name)"
-        return OpenAIPolicy(model, endpoint=endpoint, api_key_env=api_key_env, max_tokens=max_new_tokens,
-                            temperature=temperature)
-    raise ValueError(f"unknown policy kind {kind!r}: replay | hf | openai")
+        return HFPolicy(m, tok, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=seed,
+                        engine=engine)
+    if cfg.kind == "openai":
+        assert cfg.model, "--policy.kind openai needs --policy.model (the served model name)"
+        return OpenAIPolicy(cfg.model, endpoint=cfg.endpoint, api_key_env=cfg.api_key_env,
+                            max_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
+    raise ValueError(f"unknown policy kind {cfg.kind!r}: replay | hf | openai")

@@ -1,7 +1,7 @@
 """Rewards: the paper's milestone reward (Eq. 1) and the ablation rewards.
 
 Every reward in training and every tier in evaluation comes from these pure functions, so the two can
-never drift (style principle 8). Inputs are the sandbox's verdict fields; nothing here runs code.
+never drift. Inputs are the sandbox's verdict fields; nothing here runs code.
 
 Departures from the paper:
   1. The 5% margin is a parameter (`margin`, default 0.05 as in Eq. 1), so ablations can sweep it.
@@ -57,9 +57,12 @@ def speedup_reward(correct: bool, t: float | None, t_compile: float | None) -> f
 REWARDS = {"milestone": milestone_reward, "speedup": speedup_reward}
 
 
-def reward_from_verdict(v: dict, kind: str = "milestone", margin: float = 0.05) -> float:
-    """Map a sandbox verdict (as a dict, `Verdict.to_dict()`) to a scalar reward of the given kind."""
+def reward_from_verdict(v: dict | None, kind: str = "milestone", margin: float = 0.05) -> float:
+    """Map a sandbox verdict (as a dict, `Verdict.to_dict()`) to a scalar reward of the given kind. This is the
+    one place a verdict becomes a reward: the trainer, the environment and the evaluator all call it. No
+    verdict (an episode whose final check never ran) is an incorrect one."""
     assert kind in REWARDS, f"unknown reward kind {kind!r}; choose from {sorted(REWARDS)}"
+    v = v or {}
     ok = bool(v.get("compiled")) and bool(v.get("correct")) and not v.get("violation")
     if kind == "speedup":
         return speedup_reward(ok, v.get("candidate_ms"), v.get("compile_ms"))

@@ -6,72 +6,60 @@ imports candidate code: each compile, reference run and candidate run is its own
 with reference outputs that only the host holds.
 
 Threat model. COVERED:
-  * Process isolation per job: bwrap (`--unshare-all`: no network, own pid/ipc/uts namespaces;
-    `/` read-only, private tmpfs /tmp and /dev/shm, only the job's own copy of the workspace writable,
-    the cache dir and every other job's dir hidden). Fallback when bwrap is missing: `unshare --net
-    --map-root-user` (no network, but NO filesystem isolation), then plain rlimits (neither).
-    The level used is in `Verdict.timings["isolation"]`.
-  * Limits: wall clock (the whole process tree is SIGKILLed), memory (the host sums VmRSS over the
-    child's process tree and kills it past mem_limit_mb; cpu children also get RLIMIT_AS; cuda children
-    set_per_process_memory_fraction instead, since CUDA reserves huge VA), RLIMIT_CORE=0, RLIMIT_FSIZE,
-    RLIMIT_NPROC (this user's current threads + 2048; not for root, whom it does not bind).
-    Crashes, os._exit, SystemExit, hangs, OOM and CUDA errors all become Verdict(error=...).
-  * Result channel: nonce-framed `torch.save` messages on an inherited pipe, read by the host with
-    `weights_only=True` (no pickle code execution on the host). stdout/stderr are data only.
-  * Reference outputs are computed in a separate child (strict fp32) and never enter the candidate's
-    process; freed CUDA memory is filled with NaN before each candidate forward (Sakana's hack), and
-    the device is synchronised before forward starts, so that fill cannot race a candidate's own stream.
-    Inputs: get_inputs() is called under `torch.device(device)` in both children (same draw, no host copy).
-  * Correctness: n_trials fresh seeded inputs (seeds salted per job), allclose AND relative L2 error
-    <= rtol (kills "softmax = 1/N"), exact torch.Tensor type/shape/dtype/device, finite where the
-    reference is, inputs unmodified, and a final check on the last TIMED iteration, whose inputs come
-    from a seed the host sends only once timing has started (pointer-/content-keyed caches fail).
-  * No torch compute in forward: (1) a TorchDispatchMode guard (sees Python AND C++ extension aten
-    calls), (2) the profiler's aten event list on an unguarded forward, (3) a static AST scan on the
-    host. Inheriting from the reference Model is a violation.
-  * Threads: no Python thread started in forward may be alive after it; the native thread set must not
-    grow after warm-up; the output must not change after forward returned.
-  * Timing: clock references bound before candidate import; device-wide sync around every timed
-    iteration (all streams); L2 flush and fresh in-place inputs between iterations; the host's own wall
-    clock around the timing phase must agree with the child's. Same timer for baselines and candidate;
-    precision fairness (TF32 for both or neither).
+  * Isolation per job: bwrap (`--unshare-all`: no network, own pid/ipc/uts namespaces; `/` read-only,
+    private /tmp and /dev/shm, only the job's own dir writable). Compile and candidate children do not see
+    the cache dir, the repository or the workspace's parent (other episodes); the worker script is bound in
+    at a private path. Fallbacks: `unshare --net` (no filesystem isolation), then rlimits only; the level
+    used is in `Verdict.timings["isolation"]`.
+  * Limits: wall clock (process tree SIGKILLed), memory (RSS of the tree polled; cpu children also get
+    RLIMIT_AS; cuda children an allocator fraction), RLIMIT_CORE/FSIZE/NPROC; per workspace at most
+    `max_kernels` kernels and `compile_budget_s` of compiling. Every candidate failure is a verdict.
+  * Workspace files: the host lstat()s before it reads, hashes or copies (workspace.py); symlinks, FIFOs,
+    devices and sockets are refused with a verdict error; reads are capped; nothing is followed. The
+    compile cache key covers every file under kernels/, recursively.
+  * Every call is checked. The job file and environment hold no seed, count or plan: the host sends each
+    request (a trial or a timed call, with its one seed) only after the previous one is answered. Every
+    timed call, warm-ups included, runs on fresh inputs under the dispatch guard, and its output is checked
+    against the reference by random projections whose keys are sent only after the call returned
+    (`sketch_close`): computing only on some calls, recognising inputs or caching by pointer or content
+    gains nothing. Trials are compared in full: allclose AND relative L2 <= rtol, exact type, shape,
+    dtype and device, finite where the reference is, inputs unmodified.
+  * No torch compute: (1) the dispatch guard on every forward, and on import and `__init__` with an
+    init allow-list (creation, init, scaling: nothing computed before the first input can be an answer);
+    (2) the profiler's aten list, re-checked on the host; (3) a static scan that also refuses frame,
+    traceback and gc introspection, raw-memory ctypes, and patches of torch, numpy, clocks or the harness.
+  * Host memory: the host compares each reply as it arrives and keeps none of its tensors; a message over
+    2 x the reference output (+16 MB) is refused from its header.
+  * Timing: clocks and the torch functions of the checks bound before candidate import; a device-wide
+    sync around every timed call; NaN-filled free memory and an L2 flush before each; the child's clock
+    must agree with the host's over the same spans. Baselines: eager and compiled in interleaved rounds,
+    the minimum round median kept, re-timed in a new child before a speedup tier is awarded on a baseline
+    from a single run (`Verdict.timings["baseline"]`, `["baseline_retimed"]`).
+  * No state survives a check: job dirs are deleted, the cache is hidden, and a load_inline source is built
+    once by a child that sees no input; checked runs get a private copy of that build dir.
 NOT COVERED (known gaps):
-  * Code in the candidate's process can do anything that process can: C/C++ can read any memory of its
-    own process, unregister the dispatch guard, disable the profiler, rewrite the worker's Python state,
-    or forge result messages (the nonce is in its own address space). Module-level patches of the worker
-    are undone after import and after verify, and clocks are held in locals captured before import, so
-    the easy Python patches change nothing. The three independent no-torch
-    layers, the host-side comparison and the host wall-clock check make this hard, not impossible.
-  * The worker's own Python checks (threads, input mutation, the guard's bookkeeping) run in the
-    candidate's process and can be neutralised from Python too; the host-side checks cannot: output
-    comparison, the post-timing check on a late seed, the profiler op list (re-checked on the host
-    against its own allow-list), the static scan and the wall-clock cross-check. A candidate that
-    re-implements the worker's result protocol can still report made-up per-iteration times, bounded
-    only by the host-measured duration of the timing phase.
-  * No disk quota: a candidate can fill the host's /tmp through its job dir (RLIMIT_FSIZE caps each
-    file at 1 GiB; the job dir is deleted afterwards).
-  * No seccomp; no cgroup (memory is enforced by polling RSS every 50 ms, so a very fast allocation
-    burst can overshoot briefly); GPU memory is capped only by the allocator fraction (cudaMalloc from
-    C++ bypasses it); no per-job GPU isolation besides CUDA_VISIBLE_DEVICES.
+  * Native code in the candidate's process can do anything that process can: read its memory (the current
+    request's seed and inputs), unregister the guard, disable the profiler, forge result messages or
+    report made-up times (bounded by the host's wall clock of the same spans). The Python-level versions
+    of these are refused statically or undone (module patches reverted after import and every call).
+  * No seccomp, no cgroup (a fast allocation burst can overshoot the RSS poll), no disk quota beyond
+    RLIMIT_FSIZE, GPU memory capped only by the allocator fraction (cudaMalloc from C++ bypasses it), no
+    per-job GPU isolation besides CUDA_VISIBLE_DEVICES.
+  * Reads: `/` is read-only but visible; anything this user can read outside the hidden dirs, a candidate
+    can read. The child's environment is a whitelist (PASS_ENV). Fallback levels hide nothing.
   * The static scan cannot see arithmetic operators on tensors (x * 2); the dynamic layers do.
-  * Reads: `/` is bound read-only, so a candidate can READ every file this user can, except the cache
-    dir and the sandbox root (hidden). Keep secrets out of readable files; the child's environment is a
-    whitelist (PASS_ENV), so API keys in env vars do not reach it. Fallback levels hide nothing.
-  * Form (a): the load_inline build dir (cache_dir/torch_ext/<sha of the source>) is writable and kept,
-    so re-checking the same source does not rebuild; that source could stash data there for its own
-    later checks. Timing inputs are drawn from a fresh per-job seed, so a stash cannot pre-answer them.
-  * Timed iterations other than the last run without the dispatch guard (its overhead would distort
-    timing): a candidate that detects the guard could use torch ops only while timed.
+  * A timed call whose output is wrong by less than about 16 x rtol of its norm in a random direction
+    can pass one projection; three keys make a wholly wrong output pass with probability ~2e-4.
 
 Departures from the paper:
-  1. The paper's sandbox is not public; this follows issue 2 and KernelBench's known hacks.
+  1. The paper's sandbox is not public; this follows KernelBench's and other public harnesses' known hacks.
   2. Kernels (form b) compile per file to plain shared objects via ctypes (no torch headers), so an edit
      rebuilds one kernel in ~1 s instead of `load_inline`'s ~55 s.
   3. Reference outputs are always strict fp32; `precision` only affects the timed baselines/candidate.
-  4. One reference child serves up to REF_POOL_MAX_USES checks of a task: it computes outputs for a small
-     pool of host-random seeds and each check draws its own random subset (trial seeds + the late final
-     seed). Safe because a candidate never sees reference outputs and keeps no state between checks;
-     it halves the processes per check. Set REF_POOL_MAX_USES = 0 for a fresh reference every check.
+  4. One reference child serves up to REF_POOL_MAX_USES checks of a task: it computes outputs (trials) and
+     sketches (timed calls) for a pool of host-random seeds, and each check draws its own subset. Safe
+     because a candidate never sees reference outputs and keeps no state between checks; it halves the
+     processes per check. Set REF_POOL_MAX_USES = 0 for a fresh reference every check.
 
 Smoke: python -m pytest tests/test_sandbox.py -q -x
 Full (H200): python -m pytest tests/test_sandbox.py tests/test_sandbox_gpu.py -q
@@ -102,18 +90,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import reward as reward_mod
+import sandbox_worker
+import workspace
+from workspace import WorkspaceError
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_worker.py")
 
 
-def _host_allowed_ops() -> frozenset:
-    """The worker's allow-list, parsed from its source (the host never imports the worker module's state)."""
-    src = open(WORKER).read()
-    return frozenset(src.split('ALLOWED_OPS = frozenset("""', 1)[1].split('"""', 1)[0].split())
-
-
-_ALLOWED_OPS = _host_allowed_ops()
+_ALLOWED_OPS = sandbox_worker.ALLOWED_OPS  # the host's own copy: a candidate cannot widen it
 
 
 @dataclass
@@ -142,8 +126,6 @@ class SandboxConfig:
     """compile cache + baseline cache (default: $CUDA_AGENT_CACHE, else ~/.cache/cuda_agent)"""
     profile: bool = True
     """False -> stop after verify (no timing; reward uses correctness only)"""
-    reward: str = "milestone"
-    """reward kind: "milestone" | "speedup" """
     seed: int = 0
     """base seed (trial seeds are salted per job so a candidate cannot precompute)"""
     static_scan: bool = True
@@ -152,6 +134,10 @@ class SandboxConfig:
     allow_imports: str = ""
     """extra modules a candidate may import, comma-separated (default none: kernels must be its own; the
     adversarial tests widen it to use numpy as a stand-in kernel and reach the dynamic layers)"""
+    max_kernels: int = 16
+    """kernel sources one workspace may hold (more is an error verdict, not a queue of compiles)"""
+    compile_budget_s: float = 300
+    """wall-clock budget shared by all compiles of one workspace (each is also capped by compile_timeout_s)"""
 
 
 @dataclass
@@ -165,7 +151,6 @@ class Verdict:
     candidate_ms: float | None = None
     speedup_eager: float | None = None
     speedup_compile: float | None = None
-    reward: float = -1.0
     stage: str = "load"
     precision: str = "fp32"
     device: str = "cpu"
@@ -225,8 +210,35 @@ def isolation() -> str:
         return _ISOLATION
 
 
+HARNESS_DIR = "/tmp/.harness"  # where a child sees the worker script when the repository is hidden
+REPO = os.path.dirname(WORKER)
+_UNHIDEABLE = ("/", "/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/dev", "/proc", "/sys", "/run", "/tmp")
+
+
+def _hidden(cfg: SandboxConfig, ws: str | None = None) -> tuple[str, ...]:
+    """What a compile or candidate child must not see: the cache dir (baseline times, other kernels), the
+    repository (the harness, demo solutions, tests) and, for a workspace, its parent (other episodes')."""
+    out = [os.path.expanduser(cfg.cache_dir), REPO]
+    return tuple(out + ([os.path.dirname(os.path.realpath(ws))] if ws else []))
+
+
+def _needed() -> set[str]:
+    """Host dirs a child runs from: the interpreter's prefixes (a venv), site-packages on sys.path, the CUDA
+    toolkit. Bound back read-only when a hidden dir holds them."""
+    need = {sys.prefix, sys.base_prefix, sys.exec_prefix, os.environ.get("CUDA_HOME", ""),
+            os.environ.get("CUDA_PATH", "")}
+    need |= {p for p in sys.path if os.path.basename(p) in ("site-packages", "dist-packages") or p.endswith(".zip")}
+    nvcc = shutil.which("nvcc")
+    if nvcc:  # e.g. /usr/local/cuda-13.0/bin/nvcc -> /usr/local/cuda-13.0 (through a wrapper: CUDA_HOME)
+        need.add(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+    return {os.path.realpath(p) for p in need if p and os.path.exists(p)}
+
+
 def _wrap(cmd: list[str], wdir: str, device: str, writable: list[str], hide: list[str]) -> list[str]:
-    """Prefix `cmd` with the isolation: only `wdir` and `writable` are writable; `hide` is invisible."""
+    """Prefix `cmd` with the isolation: only `wdir` and `writable` are writable; `hide` is invisible (empty
+    tmpfs), except what the child runs from (`_needed`) and the worker script, which then appears at
+    HARNESS_DIR (`cmd` is rewritten to it; `from sandbox_worker import ...` still works: the worker
+    registers itself). Pass `_hidden(cfg, ws)` for compile and candidate children."""
     level = isolation()
     if level == "unshare":
         return ["unshare", "--net", "--map-root-user", *cmd]
@@ -235,11 +247,20 @@ def _wrap(cmd: list[str], wdir: str, device: str, writable: list[str], hide: lis
     args = ["bwrap", "--ro-bind", "/", "/"]
     args += ["--dev-bind", "/dev", "/dev"] if device == "cuda" else ["--dev", "/dev"]
     args += ["--proc", "/proc", "--tmpfs", "/tmp", "--tmpfs", "/dev/shm"]
-    for h in [_root(), *hide]:  # after /tmp: tmpfs over host-private dirs (mount points are created)
-        if os.path.isdir(h) or h.startswith("/tmp/"):
-            args += ["--tmpfs", h]
+    hidden = [h for h in dict.fromkeys(os.path.realpath(os.path.expanduser(x)) for x in [_root(), *hide])
+              if h not in _UNHIDEABLE and (os.path.isdir(h) or h.startswith("/tmp/"))]
+    inside = lambda p, d: p.startswith(d + os.sep)  # noqa: E731 - strictly below
+    args += [a for h in hidden for a in ("--tmpfs", h)]  # after /tmp: tmpfs mount points are created
+    back = sorted(p for p in _needed() if any(inside(p, h) for h in hidden))
+    args += [a for p in back for a in ("--ro-bind", p, p)]
+    args += [a for h in hidden if any(inside(h, p) for p in back) for a in ("--tmpfs", h)]  # still hidden
+    if any(inside(os.path.realpath(WORKER), h) for h in hidden):
+        shown = os.path.join(HARNESS_DIR, os.path.basename(WORKER))
+        args += ["--ro-bind", os.path.realpath(WORKER), shown]
+        cmd = [shown if c == WORKER else c for c in cmd]
     for w in [wdir, *writable]:  # binds come last so that the tmpfs mounts above do not hide them
-        args += ["--bind", w, w]
+        src, dst = w if isinstance(w, tuple) else (w, w)  # (host dir, where the child sees it)
+        args += ["--bind", src, dst]
     return args + ["--unshare-all", "--die-with-parent", "--new-session", "--chdir", wdir, *cmd]
 
 
@@ -301,20 +322,21 @@ class ChildResult:
         return out
 
 
-def _reader(fd: int, nonce: bytes, out: list, on_msg, state: dict, max_bytes: int):
-    """Read nonce-framed messages until EOF; a bad frame (or more than max_bytes) marks the channel corrupt."""
+def _reader(fd: int, nonce: bytes, out: list, on_msg, state: dict, max_msg_bytes: int, max_msgs: int = 100_000):
+    """Read nonce-framed messages until EOF; a bad frame, a message over max_msg_bytes or too many messages
+    mark the channel corrupt. Each message is handed to `on_msg` and then only its small fields are kept
+    (tensors under "outs" are dropped), so the host holds at most one message's payload at a time."""
     import torch
-    total = 0
     with os.fdopen(fd, "rb", buffering=0) as f:
         def read(n):
             buf = bytearray()
             while len(buf) < n:
-                chunk = f.read(n - len(buf))
+                chunk = f.read(min(n - len(buf), 1 << 24))
                 if not chunk:
                     return None
                 buf += chunk
             return bytes(buf)
-        while True:
+        for _ in range(max_msgs):
             head = read(24)
             if head is None:
                 return
@@ -322,9 +344,8 @@ def _reader(fd: int, nonce: bytes, out: list, on_msg, state: dict, max_bytes: in
                 state["corrupt"] = "bad frame on the result channel"
                 return
             n = struct.unpack(">Q", head[16:])[0]
-            total += n
-            if total > max_bytes:  # the host's memory is not the candidate's to fill
-                state["corrupt"] = f"result messages exceed {max_bytes >> 20} MB"
+            if n > max_msg_bytes:  # the host's memory is not the candidate's to fill
+                state["corrupt"] = f"a result message of {n >> 20} MB exceeds the {max_msg_bytes >> 20} MB limit"
                 return
             body = read(n)
             try:
@@ -333,8 +354,11 @@ def _reader(fd: int, nonce: bytes, out: list, on_msg, state: dict, max_bytes: in
             except Exception as e:  # noqa: BLE001 - non-plain data (e.g. a tensor subclass) is refused
                 state["corrupt"] = f"unreadable result message ({type(e).__name__})"
                 return
-            out.append((time.monotonic(), msg))
+            del body
+            t = time.monotonic()
             on_msg(msg)
+            out.append((t, {k: v for k, v in msg.items() if k != "outs"}))
+        state["corrupt"] = f"more than {max_msgs} result messages"
 
 
 def _user_threads() -> int:
@@ -365,14 +389,15 @@ def _limits(cpu_as_mb: int | None):
 
 def run_child(job: dict, jobdir: str, *, device: str, timeout_s: float, mem_limit_mb: int, gpu: int | None = None,
               writable: tuple = (), hide: tuple = (), env: dict | None = None, on_msg=None,
-              cmd: list[str] | None = None) -> ChildResult:
-    """Run one sandboxed child (the worker with `job`, or `cmd`) and collect its messages."""
+              cmd: list[str] | None = None, max_msg_mb: int = 64) -> ChildResult:
+    """Run one sandboxed child (the worker with `job`, or `cmd`) and collect its messages (each at most
+    `max_msg_mb`). The nonce that frames them goes down the control pipe, never into a file."""
     wdir = os.path.join(jobdir, "w")
     os.makedirs(wdir, exist_ok=True)
     nonce = secrets.token_bytes(16)
     rfd, wfd = os.pipe()
     crfd, cwfd = os.pipe()
-    job = {**job, "nonce": nonce.hex(), "result_fd": wfd, "control_fd": crfd}
+    job = {**job, "result_fd": wfd, "control_fd": crfd}
     with open(os.path.join(wdir, "job.json"), "w") as f:
         json.dump(job, f)
     child_env = {k: os.environ[k] for k in PASS_ENV if k in os.environ}
@@ -397,7 +422,10 @@ def run_child(job: dict, jobdir: str, *, device: str, timeout_s: float, mem_limi
     finally:
         os.close(wfd)
         os.close(crfd)
-    reader = threading.Thread(target=_reader, args=(rfd, nonce, msgs, handle, state, (2 * mem_limit_mb + 256) << 20),
+    with contextlib.suppress(OSError):  # the worker reads this line before anything else
+        control.write(json.dumps({"nonce": nonce.hex()}) + "\n")
+        control.flush()
+    reader = threading.Thread(target=_reader, args=(rfd, nonce, msgs, handle, state, max_msg_mb << 20),
                               daemon=True)
     reader.start()
     t_end, why, peak, tree, n = time.monotonic() + timeout_s, None, 0.0, [proc.pid], 0
@@ -515,53 +543,71 @@ def _trim_log(log: str, ok: bool, limit: int = 3000) -> str:
     return text[:limit]
 
 
-def _compile_one(ws: str, name: str, ext: str, cfg: SandboxConfig) -> tuple[bool, str, str | None]:
-    """Compile kernels/NAME.ext in its own sandbox, cached by sha256(sources, flags, compiler, arch)."""
-    kdir = os.path.join(ws, "kernels")
-    with open(os.path.join(kdir, f"{name}{ext}"), errors="replace") as f:
-        cmd = _compile_cmd(f"{name}{ext}", f"{name}.so", f.read())
-    h = hashlib.sha256()
-    for fn in sorted(os.listdir(kdir)):  # the kernel + every header it could include
-        if fn == f"{name}{ext}" or fn.endswith((".h", ".cuh", ".hpp", ".inc")):
-            with open(os.path.join(kdir, fn), "rb") as f:
-                h.update(fn.encode() + b"\0" + f.read() + b"\0")
-    h.update(" ".join(cmd).encode() + _compiler_version(cmd[0]).encode())
-    cache = os.path.join(os.path.expanduser(cfg.cache_dir), "kernels", h.hexdigest()[:32])
-    so = os.path.join(cache, f"{name}.so")
-    if os.path.exists(so):
-        return True, "", so
+def _compile_one(ws: str, name: str, ext: str, cfg: SandboxConfig,
+                 deadline: float | None = None) -> tuple[bool, str, str | None]:
+    """Compile kernels/NAME.ext in its own sandbox, cached by sha256(what the compiler sees, flags, compiler,
+    arch). The job dir gets a safe copy (`workspace.copy_tree`) of all of kernels/, nested dirs included,
+    minus the other kernels' sources and build products, and the key is the digest of that copy: a header
+    in kernels/impl/ is part of the key, and an edit of another kernel does not rebuild this one.
+    `deadline` (time.monotonic) is the workspace's shared compile budget."""
+    kdir, own = os.path.join(ws, "kernels"), f"{name}{ext}"
     jobdir = _new_jobdir()
     try:
         wdir = os.path.join(jobdir, "w")
-        shutil.copytree(kdir, wdir, ignore=shutil.ignore_patterns("*.so"))
-        r = run_child({}, jobdir, device="cpu", timeout_s=cfg.compile_timeout_s, mem_limit_mb=cfg.mem_limit_mb,
-                      cmd=cmd)
+        others = tuple(f for f in os.listdir(kdir) if f.endswith((".cu", ".cpp")) and f != own)
+        workspace.copy_tree(kdir, wdir, ignore_suffixes=(".so",), skip_names=others)
+        cmd = _compile_cmd(own, f"{name}.so", workspace.read_text(os.path.join(wdir, own)))
+        h = hashlib.sha256(f"{workspace.tree_digest(wdir)}|{' '.join(cmd)}|{_compiler_version(cmd[0])}".encode())
+        cache = os.path.join(os.path.expanduser(cfg.cache_dir), "kernels", h.hexdigest()[:32])
+        so = os.path.join(cache, f"{name}.so")
+        if os.path.exists(so):
+            return True, "", so
+        timeout = cfg.compile_timeout_s
+        left = deadline - time.monotonic() if deadline is not None else timeout
+        if left <= 0:
+            return False, f"{own}: not compiled: the workspace's compile budget of {cfg.compile_budget_s:g} s is spent", None
+        r = run_child({}, jobdir, device="cpu", timeout_s=min(timeout, left), mem_limit_mb=cfg.mem_limit_mb,
+                      cmd=cmd, hide=_hidden(cfg, ws))
         log = r.stdout + r.stderr
         built = os.path.join(wdir, f"{name}.so")
+        if r.error and left < timeout and r.error.startswith("timed out"):
+            return False, f"{own}: compiler stopped: the workspace's compile budget of {cfg.compile_budget_s:g} s " \
+                          f"is spent\n{_trim_log(log, False)}", None
         if r.error:  # timeout or memory
-            return False, f"{name}{ext}: compiler {r.error}\n{_trim_log(log, False)}", None
+            return False, f"{own}: compiler {r.error}\n{_trim_log(log, False)}", None
         if r.rc != 0 or not os.path.exists(built):
-            return False, f"{name}{ext}: compile failed\n{_trim_log(log, False)}", None
+            return False, f"{own}: compile failed\n{_trim_log(log, False)}", None
         os.makedirs(cache, exist_ok=True)
         tmp = f"{so}.{secrets.token_hex(4)}"
         shutil.copy(built, tmp)
         os.replace(tmp, so)  # atomic: concurrent compiles of the same source are fine
         return True, _trim_log(log, True), so
+    except WorkspaceError as e:
+        return False, str(e), None
     finally:
         shutil.rmtree(jobdir, ignore_errors=True)
 
 
 def compile_workspace(ws: str, cfg: SandboxConfig, workers: int | None = None) -> tuple[bool, str, dict[str, str]]:
-    """Compile every kernels/NAME.cu (cuda) / NAME.cpp (both) separately; returns (ok, log, {name: so})."""
-    kdir = os.path.join(ws, "kernels")
+    """Compile every kernels/NAME.cu (cuda) / NAME.cpp (both) separately; returns (ok, log, {name: so}).
+    A link or special file anywhere in the workspace, more than cfg.max_kernels sources, or compiles that
+    together outlast cfg.compile_budget_s fail it with one line first in the log."""
     exts = (".cu", ".cpp") if cfg.device == "cuda" else (".cpp",)
-    srcs = sorted(fn for fn in os.listdir(kdir) if fn.endswith(exts)) if os.path.isdir(kdir) else []
+    try:
+        files = workspace.walk(ws)
+    except WorkspaceError as e:
+        return False, str(e), {}
+    srcs = sorted(f[len("kernels/"):] for f in files if f.startswith("kernels/") and f.count("/") == 1
+                  and f.endswith(exts))
     names = [os.path.splitext(s) for s in srcs]
     dup = {n for n, _ in names if sum(m == n for m, _ in names) > 1}
     if dup:
         return False, f"two kernel sources share the name {sorted(dup)[0]}", {}
+    if len(names) > cfg.max_kernels:
+        return False, f"{len(names)} kernel sources in kernels/, more than max_kernels={cfg.max_kernels}", {}
+    deadline = time.monotonic() + cfg.compile_budget_s  # one budget for the whole workspace
     with cf.ThreadPoolExecutor(max(1, min(len(names), workers or os.cpu_count() or 1))) as ex:
-        results = list(ex.map(lambda ne: _compile_one(ws, ne[0], ne[1], cfg), names))
+        results = list(ex.map(lambda ne: _compile_one(ws, ne[0], ne[1], cfg, deadline), names))
     ok = all(r[0] for r in results)
     log = "\n".join(r[1] for r in results if r[1]).strip()
     return ok, log, {n: r[2] for (n, _), r in zip(names, results) if r[2]}
@@ -594,14 +640,19 @@ def _dotted(node) -> str:
     return ".".join(reversed(parts))
 
 
-# Introspection of the harness's own guards. Only the last timed iteration runs under the dispatch guard
-# (its overhead would distort timing), so a candidate that could tell guarded from unguarded calls could
-# use torch only while unguarded: any reference to the dispatch-mode stack, the profiler, tracing hooks,
-# frame inspection or the worker's internals is a violation by itself.
+# Introspection of the harness: the dispatch-mode stack, the profiler, tracing hooks, frames and
+# tracebacks (a traceback's tb_frame.f_back reaches the worker's locals), the garbage collector's object
+# lists, raw memory through ctypes, and the worker's internals. Referring to any of them is a violation by
+# itself, wherever it stands in the source (C++ strings of load_inline included, hence the ctypes prefix).
 INTROSPECTION = re.compile(
     r"_python_dispatch|dispatch_stack|dispatch_mode|DispatchMode|_is_profiler_enabled|\bprofiler\b|"
-    r"\bautograd\.profiler|kineto|setprofile|settrace|_getframe|\binspect\b|\bgc\.|"
+    r"\bautograd\.profiler|kineto|setprofile|settrace|_getframe|_current_frames|\binspect\b|\bgc\.|"
+    r"\btb_frame\b|\btb_next\b|\bf_back\b|\bf_locals\b|\bf_globals\b|\bf_builtins\b|\bf_code\b|\bgi_frame\b|"
+    r"\bcr_frame\b|\bag_frame\b|__traceback__|\bexc_info\b|__globals__|__closure__|__code__|__builtins__|"
+    r"get_referrers|get_referents|get_objects|\bpythonapi\b|\bpy_object\b|\bPyDLL\b|\bpydll\b|from_address|"
+    r"ctypes\.(?:string_at|wstring_at|memmove|memset|cast|addressof)\b|"
     r"sandbox_worker\.(?!load_kernel|ptr|stream)\w+|\bsys\.modules|\b__class__\.__subclasses__")
+HARNESS_NAMES = {"load_kernel", "ptr", "stream"}  # all that `from sandbox_worker import ...` may take
 
 
 # Modules a candidate may import. Kernels must be the candidate's own (compiled by the sandbox, or built
@@ -612,17 +663,48 @@ IMPORT_OK = {"torch", "torch.nn", "torch.nn.functional", "torch.utils.cpp_extens
              "os.path", "shutil", "subprocess", "tempfile", "hashlib", "pathlib", "typing", "functools",
              "__future__", "dataclasses", "sandbox_worker"}
 CALLS_BAD_IN_FORWARD = ("importlib.", "__import__")   # dynamic imports would dodge IMPORT_OK
+# What the import and `__init__` may compute with (layers, parameters, masks): creation, init and scaling.
+TORCH_INIT_OK = {"randn", "rand", "randint", "randperm", "zeros", "ones", "full", "arange", "linspace", "eye",
+                 "tensor", "as_tensor", "zeros_like", "ones_like", "full_like", "randn_like", "rand_like",
+                 "manual_seed", "tril", "triu", "cat", "stack"}
+METHODS_INIT_OK = {"float", "half", "double", "bfloat16", "long", "int", "bool", "fill_", "zero_", "copy_", "clone",
+                   "mul", "mul_", "div", "div_", "add", "add_", "sub", "sub_", "clamp", "clamp_", "tril", "triu",
+                   "masked_fill", "masked_fill_", "repeat", "neg", "abs", "sqrt", "pow"}
+PATCHABLE = {"torch", "F", "nn", "np", "numpy", "time", "ctypes", "sandbox_worker", "os", "sys", "threading"}
 
 
 def _import_violation(tree, allow: tuple[str, ...] = ()) -> str | None:
     ok = IMPORT_OK | set(allow)
     for node in ast.walk(tree):
+        if isinstance(node, ast.Import) and any(a.name == "sandbox_worker" for a in node.names):
+            return f"static scan: `import sandbox_worker` (line {node.lineno}): use `from sandbox_worker import " \
+                   f"load_kernel, ptr, stream`"
+        if isinstance(node, ast.ImportFrom) and node.module == "sandbox_worker" and \
+                any(a.name not in HARNESS_NAMES for a in node.names):
+            return f"static scan: only {', '.join(sorted(HARNESS_NAMES))} may be imported from sandbox_worker " \
+                   f"(line {node.lineno})"
         names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
             [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
         for name in names:
             if name not in ok:
                 return (f"static scan: import of {name!r} (line {node.lineno}) is not allowed: compute must go "
                         f"through your own kernels; allowed imports: {', '.join(sorted(IMPORT_OK))}")
+    return None
+
+
+def _patch_violation(tree) -> str | None:
+    """Rebinding an attribute of torch, numpy, the clock or the harness (`torch.relu = ...`, `setattr(torch,
+    ...)`) changes what the harness's own code calls."""
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else \
+            node.targets if isinstance(node, ast.Delete) else []
+        for t in targets:
+            if isinstance(t, ast.Attribute) and _dotted(t).split(".")[0] in PATCHABLE:
+                return f"static scan: assignment to {_dotted(t)} (line {node.lineno}) patches a library"
+        if isinstance(node, ast.Call) and _dotted(node.func) in ("setattr", "delattr") and node.args and \
+                _dotted(node.args[0]).split(".")[0] in PATCHABLE:
+            return f"static scan: {_dotted(node.func)}({_dotted(node.args[0])}, ...) (line {node.lineno}) patches a library"
     return None
 
 
@@ -638,8 +720,37 @@ def _strip_comments(source: str) -> str:
     return "".join(lines)
 
 
+def _bad_call(node: ast.Call, alias: dict, libs: set, allow: tuple, init: bool) -> str | None:
+    """Why this call is torch compute (or a way around the rules), under forward's rules or, with `init`, the
+    looser rules of module import and `__init__` (creation, init and scaling allowed)."""
+    name = _dotted(node.func)
+    head, _, rest = name.partition(".")
+    name = f"{alias[head]}.{rest}".rstrip(".") if head in alias else name
+    method = node.func.attr if isinstance(node.func, ast.Attribute) else None
+    if name.startswith(("torch.nn.functional.", "torch.ops.aten.")) or name.startswith(CALLS_BAD_IN_FORWARD) \
+            or name == "__import__":
+        return name
+    if name.startswith("torch.") and name.count(".") == 1:
+        return None if name[6:] in TORCH_OK or (init and name[6:] in TORCH_INIT_OK) else name
+    if name.startswith("torch.") and not name.startswith(TORCH_OK_PREFIX):
+        return name if not name.startswith("torch.nn.") else None
+    if method in METHODS_ESCAPE and "numpy" not in allow:
+        return f".{method}()"
+    if method in METHODS_BAD and head not in libs and not (init and method in METHODS_INIT_OK) and \
+            not name.startswith(("math.", "np.", "numpy.", "os.", "ctypes.")):
+        return f".{method}()"
+    if name in ("eval", "exec", "compile", "__import__", "globals", "locals", "vars", "breakpoint"):
+        return f"{name}(...)"
+    if name in ("getattr", "setattr", "delattr") and len(node.args) >= 2 and (
+            _dotted(node.args[0]) in ("torch", "F", "nn", "torch.nn.functional") or
+            not (isinstance(node.args[1], ast.Constant) or _dotted(node.args[0]) == "self")):
+        return f"{name}(...)"  # a computed attribute name could spell anything the scan refuses
+    return None
+
+
 def static_scan(source: str, allow_imports: tuple[str, ...] = ()) -> str | None:
-    """Conservative scan of candidate Python (+ C++ strings) for torch compute outside __init__."""
+    """Conservative scan of candidate Python (+ C++ strings): harness introspection, library patches,
+    imports, and torch compute (forward's rules in functions, init rules at import and in `__init__`)."""
     code = _strip_comments(source)
     m = INTROSPECTION.search(code)
     if m:
@@ -649,9 +760,9 @@ def static_scan(source: str, allow_imports: tuple[str, ...] = ()) -> str | None:
         tree = ast.parse(source)
     except SyntaxError:
         return None  # the child reports the syntax error as a load error
-    bad_import = _import_violation(tree, allow_imports)
-    if bad_import:
-        return bad_import
+    bad = _import_violation(tree, allow_imports) or _patch_violation(tree)
+    if bad:
+        return bad
     alias = {"F": "torch.nn.functional", "nn": "torch.nn"}
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("torch"):
@@ -666,35 +777,20 @@ def static_scan(source: str, allow_imports: tuple[str, ...] = ()) -> str | None:
     libs = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call)
             and _dotted(n.value.func).rsplit(".", 1)[-1] in ("load_kernel", "CDLL", "LoadLibrary")
             for t in n.targets if isinstance(t, ast.Name)}
-    bodies = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
-              and getattr(n, "name", "") != "__init__"]
-    for fn in bodies:
-        for node in ast.walk(fn):
-            if not isinstance(node, ast.Call):
-                continue
-            name = _dotted(node.func)
-            head, _, rest = name.partition(".")
-            name = f"{alias[head]}.{rest}".rstrip(".") if head in alias else name
-            bad = None
-            if name.startswith("torch.nn.functional.") or name.startswith("torch.ops.aten."):
-                bad = name
-            elif name.startswith(CALLS_BAD_IN_FORWARD) or name == "__import__":
-                bad = name
-            elif name.startswith("torch.") and name.count(".") == 1 and name[6:] not in TORCH_OK:
-                bad = name
-            elif name.startswith("torch.") and name.count(".") > 1 and not name.startswith(TORCH_OK_PREFIX):
-                bad = name if not name.startswith("torch.nn.") else None
-            elif isinstance(node.func, ast.Attribute) and node.func.attr in METHODS_ESCAPE and \
-                    "numpy" not in allow_imports:
-                bad = f".{node.func.attr}()"
-            elif isinstance(node.func, ast.Attribute) and node.func.attr in METHODS_BAD and head not in libs and \
-                    not name.startswith(("math.", "np.", "numpy.", "os.", "ctypes.")):
-                bad = f".{node.func.attr}()"
-            elif name in ("getattr", "eval", "exec", "__import__") and node.args and \
-                    (name != "getattr" or _dotted(node.args[0]) in ("torch", "F", "nn", "torch.nn.functional")):
-                bad = f"{name}(...)"
+    funcs = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+    regions = [(fn, getattr(fn, "name", "lambda"), getattr(fn, "name", "") == "__init__")
+               for fn in ast.walk(tree) if isinstance(fn, funcs)]
+    regions.append((tree, "module import", True))  # module and class bodies, outside any function
+    for region, where, init in regions:
+        todo = list(ast.iter_child_nodes(region))
+        while todo:
+            node = todo.pop()
+            if isinstance(node, funcs):
+                continue  # a nested function is its own region
+            todo += ast.iter_child_nodes(node)
+            bad = _bad_call(node, alias, libs, allow_imports, init) if isinstance(node, ast.Call) else None
             if bad:
-                return f"static scan: torch compute {bad} in {getattr(fn, 'name', 'lambda')} (line {node.lineno})"
+                return f"static scan: torch compute {bad} in {where} (line {node.lineno})"
     for node in ast.walk(tree):  # C++ sources of load_inline (form a)
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and "#include" in node.value:
             for m in re.finditer(r"\b(?:at|torch)::([a-z_]\w*)\s*\(", node.value):
@@ -757,9 +853,13 @@ def _unravel(idx: int, shape) -> tuple:
 
 # ----------------------------------------------------------------------------- tasks, baselines
 def _read_task(src_or_path: str) -> str:
-    if "\n" not in src_or_path and os.path.isfile(src_or_path):
-        with open(src_or_path) as f:
-            return f.read()
+    """The task's source: `src_or_path` itself, or the file it names (read capped; a FIFO, device or
+    directory named as the task is a TaskError, never a blocking read)."""
+    if "\n" not in src_or_path and os.path.lexists(src_or_path):
+        try:
+            return workspace.read_text(src_or_path, follow_links=True)
+        except WorkspaceError as e:
+            raise TaskError(f"task {e}") from None
     if "\n" not in src_or_path and src_or_path.endswith(".py"):
         raise TaskError(f"task file not found: {src_or_path}")
     return src_or_path
@@ -814,8 +914,9 @@ def _baseline_cache(cfg: SandboxConfig, key: str, value: dict | None = None) -> 
 
 
 def _reference(task_src: str, cfg: SandboxConfig, seeds: list[int], want_baselines: bool,
-               gpu: int | None = None, warm: bool = False) -> dict:
-    """Run the reference child; returns its result dict or raises TaskError. `warm`: only compile (prewarm)."""
+               gpu: int | None = None, warm: bool = False, sketch_seeds: dict | None = None) -> dict:
+    """Run the reference child; returns its result dict or raises TaskError. `warm`: only compile (prewarm).
+    `seeds` get full outputs, `sketch_seeds` ({seed: projection keys}) get sketches only."""
     jobdir = _new_jobdir()
     try:
         wdir = os.path.join(jobdir, "w")
@@ -825,7 +926,8 @@ def _reference(task_src: str, cfg: SandboxConfig, seeds: list[int], want_baselin
         inductor = os.path.join(os.path.expanduser(cfg.cache_dir), "inductor")
         os.makedirs(inductor, exist_ok=True)
         job = {"kind": "reference", "task_path": os.path.join(wdir, "task.py"), "device": cfg.device,
-               "seeds": seeds, "timing_seed": seeds[0] if seeds else cfg.seed, "init_seed": cfg.seed,
+               "seeds": seeds, "sketch_seeds": {str(s): k for s, k in (sketch_seeds or {}).items()},
+               "timing_seed": secrets.randbelow(2**31), "init_seed": cfg.seed,
                "baselines": want_baselines, "precision": _precision(cfg),
                "warmup": cfg.warmup, "iters": cfg.iters, "warm": warm}
         env = {"TORCHINDUCTOR_CACHE_DIR": inductor}
@@ -833,7 +935,7 @@ def _reference(task_src: str, cfg: SandboxConfig, seeds: list[int], want_baselin
             env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
         r = run_child(job, jobdir, device=cfg.device, timeout_s=cfg.run_timeout_s + (cfg.compile_timeout_s if
                       want_baselines or warm else 0), mem_limit_mb=cfg.mem_limit_mb, gpu=gpu, writable=(inductor,),
-                      env=env)
+                      env=env, max_msg_mb=2 * cfg.mem_limit_mb + 256)
     finally:
         shutil.rmtree(jobdir, ignore_errors=True)
     if r.result is None:
@@ -843,20 +945,29 @@ def _reference(task_src: str, cfg: SandboxConfig, seeds: list[int], want_baselin
     return r.result
 
 
-def _baseline_entry(res: dict, precision: str, device: str) -> dict:
-    b = res["baselines"]
-    return {"eager_ms": b["eager"]["median_ms"], "eager_cv": b["eager"]["cv"],
-            "compile_ms": b["compile"]["median_ms"] if b.get("compile") else None,
-            "compile_error": b.get("compile_error"), "precision": precision, "device": device}
+def _baseline_entry(res: dict, precision: str, device: str, old: dict | None = None) -> dict:
+    """A cache entry from the child's rounds, merged with an earlier entry of the same task (re-timing).
+
+    The baseline is the MINIMUM over every round median of every run: load on the machine only ever makes
+    a measurement slower, so the minimum is the measurement least inflated by it."""
+    b, old = res["baselines"], old or {}
+    eager = old.get("eager_rounds", []) + b["eager"]
+    comp = None if b.get("compile") is None else old.get("compile_rounds", []) + b["compile"]
+    return {"eager_ms": min(eager), "eager_rounds": eager, "eager_cv": b["eager_cv"],
+            "compile_ms": min(comp) if comp else None, "compile_rounds": comp or [],
+            "compile_error": b.get("compile_error"), "runs": old.get("runs", 0) + 1,
+            "spread": (max(eager) - min(eager)) / min(eager) if min(eager) > 0 else 0.0,
+            "precision": precision, "device": device}
 
 
 def baselines(task: str, cfg: SandboxConfig, gpu: int | None = None) -> dict:
-    """{"eager_ms", "compile_ms", "precision", "device"} of the task; cached per (task, device, torch, precision)."""
+    """{"eager_ms", "compile_ms", "precision", "device", rounds, runs} of the task; cached per (task, device,
+    torch, precision)."""
     src = _read_task(task)
     prec, dev = _precision(cfg), _device_name(cfg.device, gpu)
     key = f"{hashlib.sha256(src.encode()).hexdigest()}|{dev}|{prec}"
     hit = _baseline_cache(cfg, key)
-    if hit:
+    if hit and "eager_rounds" in hit:
         return hit
     res = _reference(src, cfg, [], True, gpu)  # no seeds: only the timings come back, not the outputs
     return _baseline_cache(cfg, key, _baseline_entry(res, prec, res["device_name"]))
@@ -920,13 +1031,16 @@ def check(task: str, solution: str, cfg: SandboxConfig, gpu: int | None = None) 
     return _check(task, solution, cfg, contextlib.nullcontext, lambda: contextlib.nullcontext(gpu))
 
 
-def _solution(solution: str) -> tuple[str, str | None]:
-    """("b", workspace) | ("a", source)."""
+def _solution(solution: str) -> tuple[str, str]:
+    """("b", workspace) | ("a", source) | ("refused", one line: a solution file that is not a regular file
+    or is larger than workspace.FILE_CAP)."""
     if "\n" not in solution and os.path.isdir(solution):
         return "b", solution
-    if "\n" not in solution and solution.endswith(".py") and os.path.isfile(solution):
-        with open(solution) as f:
-            return "a", f.read()
+    if "\n" not in solution and solution.endswith(".py") and os.path.lexists(solution):
+        try:
+            return "a", workspace.read_text(solution, follow_links=True)
+        except WorkspaceError as e:
+            return "refused", f"solution {e}"
     return "a", solution
 
 
@@ -942,14 +1056,22 @@ def _check(task, solution, cfg, compile_gate, device_gate) -> Verdict:
         v.correct = False
     if v.error or v.violation:
         v.correct = False
-    v.reward = reward_mod.reward_from_verdict(v.to_dict(), cfg.reward)
     return v
 
 
 def _prepare(form: str, sol, cfg: SandboxConfig, v: Verdict, compile_gate, wdir: str) -> str | None:
-    """Compile (form b) and copy the candidate into wdir; returns the candidate path, or None on failure."""
+    """Compile (form b) and copy the candidate into wdir; returns the candidate path, or None on failure.
+    The workspace is read only through `workspace` (no link followed, no special file opened, capped)."""
+    if form == "refused":
+        v.error = sol
+        return None
     if form == "b":
-        if not os.path.isfile(os.path.join(sol, "model_new.py")):
+        try:
+            files = workspace.walk(sol)
+        except WorkspaceError as e:  # a link, FIFO, device or socket: the candidate's doing, one line
+            v.error = str(e)
+            return None
+        if "model_new.py" not in files:
             v.error = "workspace has no model_new.py"
             return None
         v.stage = "compile"
@@ -958,11 +1080,15 @@ def _prepare(form: str, sol, cfg: SandboxConfig, v: Verdict, compile_gate, wdir:
         if not ok:
             v.error = "compile failed: " + (_last_line(v.compile_log.split("\n")[0]) or "see compile_log")
             return None
-        shutil.copytree(sol, wdir, symlinks=True,  # links stay links: no host file is copied in through them
-                        ignore=shutil.ignore_patterns("*.so", "__pycache__", ".git"), dirs_exist_ok=True)
+        try:
+            copied = workspace.copy_tree(sol, wdir, ignore_suffixes=(".so",))
+        except WorkspaceError as e:
+            v.error = str(e)
+            return None
+        os.makedirs(os.path.join(wdir, "kernels"), exist_ok=True)
         for name, so in sos.items():
             shutil.copy(so, os.path.join(wdir, "kernels", f"{name}.so"))
-        sources = [os.path.join(wdir, f) for f in os.listdir(wdir) if f.endswith(".py") and f != "model.py"]
+        sources = [os.path.join(wdir, f) for f in copied if f.endswith(".py") and "/" not in f and f != "model.py"]
         path = os.path.join(wdir, "model_new.py")
     else:
         path = os.path.join(wdir, "solution.py")
@@ -970,10 +1096,10 @@ def _prepare(form: str, sol, cfg: SandboxConfig, v: Verdict, compile_gate, wdir:
             f.write(sol)
         sources = [path]
     v.compiled = True
+    extra = tuple(m.strip() for m in cfg.allow_imports.split(",") if m.strip())
     for p in sources:
-        with open(p) as f:
-            extra = tuple(m.strip() for m in cfg.allow_imports.split(",") if m.strip())
-            v.violation = v.violation or (static_scan(f.read(), extra) if cfg.static_scan else None)
+        text = workspace.read_text(p)  # the host's own copy, still read capped
+        v.violation = v.violation or (static_scan(text, extra) if cfg.static_scan else None)
     if v.violation:
         v.stage = "verify"
         return None
@@ -995,40 +1121,45 @@ def _run_check(src: str, solution: str, cfg: SandboxConfig, v: Verdict, compile_
             dev = _device_name(cfg.device, gpu)
             key = f"{hashlib.sha256(src.encode()).hexdigest()}|{dev}|{v.precision}"
             base = _baseline_cache(cfg, key) if cfg.profile else None
+            base = base if base and "eager_rounds" in base else None  # entries of an older format are re-timed
             t_ref = time.perf_counter()
-            ref, seeds, final_seed = _reference_pool(src, cfg, cfg.profile and base is None, gpu, dev)
+            ref, plan = _reference_pool(src, cfg, cfg.profile and base is None, gpu, dev)
             t_cand = time.perf_counter()
             v.device = ref["device_name"]
             if cfg.profile and base is None:
                 base = _baseline_cache(cfg, key, _baseline_entry(ref, v.precision, v.device))
             import torch
             torch.save(ref["state_dict"], os.path.join(wdir, "state_dict.pt"))
-            r = _run_candidate(form, cand, wdir, jobdir, seeds, final_seed, cfg, gpu, src)
+            r, seen = _run_candidate(form, cand, wdir, jobdir, ref, plan, cfg, gpu, sol if form == "b" else None)
             v.timings.update({"reference_s": round(t_cand - t_ref, 3),  # where a check's time goes
                               "candidate_s": round(time.perf_counter() - t_cand, 3)})
-        _judge(r, ref, base, seeds, final_seed, cfg, v, form)
+            _judge(r, seen, ref, cfg, v, form)
+            if v.correct and cfg.profile:
+                _timing(seen, base, v, cfg, lambda: _retime(src, cfg, gpu, key, base))
     finally:
         shutil.rmtree(jobdir, ignore_errors=True)
 
 
-REF_POOL_EXTRA = 4      # a reference pool holds n_trials + 1 + this many seeds
-REF_POOL_MAX_USES = 50  # checks served by one pool before it is recomputed (0: a fresh reference per check)
+REF_POOL_EXTRA = 4      # a reference pool holds n_trials + this many trial seeds, warmup + iters + this many
+REF_POOL_MAX_USES = 50  # timing seeds; checks served by one pool before it is recomputed (0: fresh each check)
 REF_POOL_MAX_MB = 2048  # pools whose outputs are larger than this are not kept (KernelBench L1: up to ~60 GB)
 REF_POOL_TOTAL_MB = 8192  # host RAM for all kept pools; the oldest are dropped beyond it
 _REF_POOLS: dict = {}
 _REF_LOCK = threading.Lock()
 
 
-def _reference_pool(src: str, cfg: SandboxConfig, want_baselines: bool, gpu, dev: str) -> tuple[dict, list, int]:
-    """Reference outputs + (trial seeds, final seed) for one check.
+def _reference_pool(src: str, cfg: SandboxConfig, want_baselines: bool, gpu, dev: str) -> tuple[dict, list]:
+    """Reference results for one check and the check's request plan.
 
-    Seeds are random (host-private RNG), never derived from anything the candidate sees. The reference
-    child's outputs for a small pool of seeds are reused for up to REF_POOL_MAX_USES checks of the same
-    task (each check draws its own random subset), which halves the processes per check. A candidate
-    cannot exploit the reuse: it never sees reference outputs and keeps no state between checks.
+    The pool holds full outputs for n_trials + EXTRA trial seeds and sketches for warmup + iters + EXTRA
+    timing seeds, each timing seed with its own projection keys; each check uses a random subset of the
+    trial seeds and the timing seeds in random order, no seed twice. Seeds and keys come from the host's
+    private RNG and reach the candidate one at a time, each only when it is used. Reusing a pool across
+    checks is safe because a candidate child never sees a reference output and keeps no state between
+    checks (its job dir is deleted; the cache is hidden).
     """
-    key = (hashlib.sha256(src.encode()).hexdigest(), cfg.device, dev, cfg.seed, cfg.n_trials)
-    need = cfg.n_trials + 1
+    key = (hashlib.sha256(src.encode()).hexdigest(), cfg.device, dev, cfg.seed, cfg.n_trials, cfg.warmup, cfg.iters)
+    n_time = cfg.warmup + max(cfg.iters, 1)
     with _REF_LOCK:
         entry = _REF_POOLS.get(key)
         if entry and entry["uses"] < REF_POOL_MAX_USES and not want_baselines:
@@ -1036,113 +1167,249 @@ def _reference_pool(src: str, cfg: SandboxConfig, want_baselines: bool, gpu, dev
             ref = entry["ref"]
         else:
             ref = None
+    rng = secrets.SystemRandom()
     if ref is None:
-        rng = random.Random(f"{cfg.seed}:{secrets.token_hex(8)}")  # per-pool salt: no precomputed answers
-        pool = rng.sample(range(2**31), need + (REF_POOL_EXTRA if REF_POOL_MAX_USES > 0 else 0))
-        ref = _reference(src, cfg, pool, want_baselines, gpu)
+        seeds = rng.sample(range(2**31), cfg.n_trials + n_time + 2 * REF_POOL_EXTRA)
+        trial_seeds, time_seeds = seeds[:cfg.n_trials + REF_POOL_EXTRA], seeds[cfg.n_trials + REF_POOL_EXTRA:]
+        keys = {s: [rng.randrange(2**62) for _ in range(sandbox_worker.SKETCH_KEYS)] for s in time_seeds}
+        ref = _reference(src, cfg, trial_seeds, want_baselines, gpu, sketch_seeds=keys if cfg.profile else None)
+        ref["keys"] = keys if cfg.profile else {}
         mb = sum(t.numel() * t.element_size() for outs in ref["outputs"].values() for t in outs) / 2**20
-        if REF_POOL_MAX_USES > 0 and mb <= REF_POOL_MAX_MB:
+        if REF_POOL_MAX_USES > 0 and mb <= REF_POOL_MAX_MB and cfg.profile:
             with _REF_LOCK:
                 _REF_POOLS[key] = {"ref": {k: v for k, v in ref.items() if k != "baselines"}, "uses": 1, "mb": mb}
                 while len(_REF_POOLS) > 1 and sum(e["mb"] for e in _REF_POOLS.values()) > REF_POOL_TOTAL_MB:
                     _REF_POOLS.pop(next(iter(_REF_POOLS)))
-    picked = secrets.SystemRandom().sample(sorted(ref["outputs"]), need)
-    return ref, picked[:-1], picked[-1]  # the final seed reaches the candidate only once timing started
+    plan = [{"op": "trial", "seed": s} for s in rng.sample(sorted(ref["outputs"]), cfg.n_trials)] + [{"op": "ops"}]
+    if cfg.profile:  # every timed call, warm-ups included, on fresh inputs and checked by its sketch
+        plan += [{"op": "time", "seed": s} for s in rng.sample(sorted(ref["sketches"]), n_time)]
+    return ref, plan + [{"op": "done"}]
 
 
-def _run_candidate(form, cand, wdir, jobdir, seeds, final_seed, cfg, gpu, src) -> ChildResult:
+def _run_candidate(form, cand, wdir, jobdir, ref, plan, cfg, gpu, ws) -> tuple[ChildResult, dict]:
+    """Run the candidate child and drive it through `plan`, comparing each reply as it arrives.
+
+    Returns the child's result and what the host saw: per-trial comparisons, the profiler's op list, and
+    per timed call the child's time, the host's wall time of the same span and the sketch comparison."""
     writable, env, timeout = [], {}, cfg.run_timeout_s
-    if form == "a":  # load_inline builds inside the child; cache them per solution source
-        ext = os.path.join(os.path.expanduser(cfg.cache_dir), "torch_ext",
-                           hashlib.sha256(open(cand).read().encode()).hexdigest()[:16])
-        os.makedirs(ext, exist_ok=True)
-        writable, env, timeout = [ext], {"TORCH_EXTENSIONS_DIR": ext}, timeout + cfg.compile_timeout_s
+    if form == "a":  # load_inline: built once per source with no input in sight, then run from a private copy
+        ext = _build_inline(cand, wdir, cfg, gpu)
+        mine = os.path.join(jobdir, "ext")
+        _copy_build(ext, mine)
+        if isolation() == "bwrap":  # the copy appears at the cache's path, so ninja finds the build up to date
+            writable, env = [(mine, ext)], {"TORCH_EXTENSIONS_DIR": ext}
+        else:
+            writable, env = [mine], {"TORCH_EXTENSIONS_DIR": mine}
+        timeout += cfg.compile_timeout_s  # a build that happens at the first forward
     kernels = {}
     if os.path.isdir(os.path.join(wdir, "kernels")):
         kernels = {f[:-3]: os.path.join(wdir, "kernels", f) for f in os.listdir(os.path.join(wdir, "kernels"))
                    if f.endswith(".so")}
+    # No seed, count or plan in the job: the host sends each request when the previous one is answered.
     job = {"kind": "candidate", "task_path": os.path.join(wdir, "task.py"), "cand_path": cand, "cand_dir": wdir,
-           "device": cfg.device, "seeds": seeds, "init_seed": cfg.seed, "kernels": kernels,
-           "state_dict_path": os.path.join(wdir, "state_dict.pt"), "precision": _precision(cfg),
-           "profile": cfg.profile, "warmup": cfg.warmup, "iters": max(cfg.iters, 1),
-           "timing_seed": secrets.randbelow(2**31),
-           "mem_limit_mb": cfg.mem_limit_mb}
+           "device": cfg.device, "init_seed": cfg.seed, "kernels": kernels,
+           "state_dict_path": os.path.join(wdir, "state_dict.pt"), "precision": _precision(cfg)}
+    seen = {"trials": [], "ops": None, "calls": [], "bad": None, "i": 0, "sent_at": 0.0}
+    out_bytes = sum(t.numel() * t.element_size() for t in next(iter(ref["outputs"].values())))
+
+    def send(control, obj):
+        with contextlib.suppress(OSError, ValueError):
+            seen["sent_at"] = time.monotonic()
+            control.write(json.dumps(obj) + "\n")
+            control.flush()
+
+    def advance(control):  # the next request; "done" at once after the first failure
+        req = plan[seen["i"]] if seen["bad"] is None and seen["i"] < len(plan) else {"op": "done"}
+        seen["i"] += 1
+        seen["req"] = req
+        send(control, req)
 
     def on_msg(msg, control):
-        if msg.get("type") == "timing_start":
-            control.write(json.dumps({"final_seed": final_seed}) + "\n")
-            control.flush()
-    return run_child(job, jobdir, device=cfg.device, timeout_s=timeout, mem_limit_mb=cfg.mem_limit_mb, gpu=gpu,
-                     writable=tuple(writable), hide=(os.path.expanduser(cfg.cache_dir),), env=env, on_msg=on_msg)
+        t, req = msg.get("type"), seen.get("req") or {}
+        try:
+            if t == "stage" and msg.get("stage") == "verify":
+                advance(control)
+            elif t == "trial" and req.get("op") == "trial":
+                res = _compare_kind(ref, req["seed"], msg, cfg)
+                seen["trials"].append({"trial": len(seen["trials"]), **res})
+                seen["bad"] = seen["bad"] or (None if res["ok"] else f"trial {len(seen['trials']) - 1}")
+                advance(control)
+            elif t == "ops" and req.get("op") == "ops":
+                seen["ops"] = list(msg.get("ops", []))
+                advance(control)
+            elif t == "iter" and req.get("op") == "time":
+                seen["calls"].append({"ms": float(msg["ms"]), "span_ms": float(msg["span_ms"]),
+                                      "host_ms": (time.monotonic() - seen["sent_at"]) * 1e3, "kind": msg.get("kind")})
+                send(control, {"keys": ref["keys"][req["seed"]]})  # only now, after the call returned
+            elif t == "sketch" and req.get("op") == "time":
+                call = seen["calls"][-1]
+                call["ok"], call["reason"] = sketch_close(msg["sketch"], ref["sketches"][req["seed"]], cfg)
+                if call["kind"] != ref["out_kind"]:
+                    call["ok"], call["reason"] = False, f"returned a {call['kind']}, expected a {ref['out_kind']}"
+                seen["bad"] = seen["bad"] or (None if call["ok"] else f"timed call {len(seen['calls']) - 1}")
+                advance(control)
+            elif t != "stage" and t != "result":
+                seen["bad"] = seen["bad"] or f"unexpected message {t!r} for request {req.get('op')!r}"
+                send(control, {"op": "done"})
+        except Exception as e:  # noqa: BLE001 - a malformed reply fails the candidate, never the host
+            seen["bad"] = seen["bad"] or f"malformed {t!r} message ({type(e).__name__}: {e})"[:300]
+            send(control, {"op": "done"})
+    r = run_child(job, jobdir, device=cfg.device, timeout_s=timeout, mem_limit_mb=cfg.mem_limit_mb, gpu=gpu,
+                  writable=tuple(writable), hide=_hidden(cfg, ws), env=env, on_msg=on_msg,
+                  max_msg_mb=(2 * out_bytes >> 20) + 16)
+    return r, seen
 
 
-def _judge(r: ChildResult, ref: dict, base: dict | None, seeds, final_seed, cfg, v: Verdict, form: str):
-    """Turn the candidate child's report into the verdict (host-side comparison)."""
+def _build_inline(cand: str, wdir: str, cfg: SandboxConfig, gpu) -> str:
+    """The load_inline build dir of this source (cache_dir/torch_ext/<sha>), built if it is not yet.
+
+    The build child imports the solution and constructs ModelNew, with the build dir writable and no input,
+    seed or reference anywhere in reach. Candidate children only ever get a private copy of it, so nothing
+    a checked run writes there survives into another check (no stash of answers across checks)."""
+    with open(cand) as f:
+        src = f.read()
+    ext = os.path.join(os.path.expanduser(cfg.cache_dir), "torch_ext", hashlib.sha256(src.encode()).hexdigest()[:16])
+    os.makedirs(ext, exist_ok=True)
+    if os.path.exists(os.path.join(ext, ".built")):
+        return ext
+    jobdir = _new_jobdir()
+    try:
+        bdir = os.path.join(jobdir, "w")
+        os.makedirs(bdir)
+        shutil.copy(cand, os.path.join(bdir, "solution.py"))
+        shutil.copy(os.path.join(wdir, "task.py"), os.path.join(bdir, "task.py"))
+        job = {"kind": "build", "cand_path": os.path.join(bdir, "solution.py"), "cand_dir": bdir,
+               "task_path": os.path.join(bdir, "task.py"), "init_seed": cfg.seed, "device": cfg.device}
+        r = run_child(job, jobdir, device=cfg.device, timeout_s=cfg.compile_timeout_s + 60,
+                      mem_limit_mb=cfg.mem_limit_mb, gpu=gpu, writable=(ext,), hide=_hidden(cfg),
+                      env={"TORCH_EXTENSIONS_DIR": ext})
+    finally:
+        shutil.rmtree(jobdir, ignore_errors=True)
+    if r.result is not None and r.result.get("built"):
+        with open(os.path.join(ext, ".built"), "w") as f:
+            f.write("ok")
+    return ext  # a failed build is reported by the candidate child, which builds again in its copy
+
+
+def _copy_build(src: str, dst: str):
+    """Copy a build dir (written by candidate code: links and special files are refused), keeping mtimes so
+    that ninja sees the objects as up to date."""
+    for rel in workspace.copy_tree(src, dst, ignore_suffixes=(), file_cap=1 << 30, total_cap=2 << 30):
+        st = os.lstat(os.path.join(src, rel))
+        os.utime(os.path.join(dst, rel), ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def _compare_kind(ref: dict, seed: int, msg: dict, cfg: SandboxConfig) -> dict:
+    if msg.get("kind") != ref["out_kind"]:
+        return {"ok": False, "reason": f"returned a {msg.get('kind')}, the reference returns a {ref['out_kind']}"}
+    return compare(ref["outputs"][seed], msg["outs"], msg.get("devices"), cfg.device, cfg.atol, cfg.rtol)
+
+
+def sketch_close(cand: list, ref: list, cfg: SandboxConfig) -> tuple[bool, str | None]:
+    """Does a timed call's sketch match the reference's? (ok, reason).
+
+    An output that passes `compare` has an error e with ||e|| <= rtol * ||y|| (the relative L2 rule; when
+    ||y|| ~ 0, allclose bounds it by atol * sqrt(n)). A projection <e, r> on r ~ N(0, I) drawn after the call
+    is then N(0, ||e||^2): 8 standard deviations of that bound never fail an honest output, while an output
+    wrong by about its own norm (stale, from other inputs, zeros) passes one projection with probability
+    ~16 * rtol * 0.4 ~ 0.06 and all SKETCH_KEYS with ~2e-4. The norms must also agree to the same bound."""
+    if not isinstance(cand, list) or len(cand) != len(ref):
+        return False, f"returned {len(cand) if isinstance(cand, list) else '?'} tensors, expected {len(ref)}"
+    for j, (c, r) in enumerate(zip(cand, ref)):
+        where = f"output {j}: " if len(ref) > 1 else ""
+        for k in ("shape", "dtype"):
+            if c.get(k) != r[k]:
+                return False, f"{where}{k} {c.get(k)}, expected {r[k]}"
+        if c.get("device") != cfg.device:
+            return False, f"{where}on {c.get('device')}, expected {cfg.device}"
+        if c.get("nonfinite") != r["nonfinite"]:
+            return False, f"{where}{c.get('nonfinite')} non-finite values, expected {r['nonfinite']}"
+        bound = cfg.rtol * r["norm"] if r["norm"] > 1e-12 else cfg.atol * max(r["numel"], 1) ** 0.5
+        bound += 1e-9 * (r["norm"] + 1.0)  # float64 rounding of the projections
+        if abs(float(c["norm"]) - r["norm"]) > 2 * bound:
+            return False, f"{where}output norm {float(c['norm']):.6g}, expected {r['norm']:.6g}"
+        for pc, pr in zip(c["proj"], r["proj"]):
+            if not abs(float(pc) - pr) <= 8 * bound:
+                return False, f"{where}random projection {float(pc):.6g}, expected {pr:.6g} (bound {8 * bound:.3g})"
+    return True, None
+
+
+def _judge(r: ChildResult, seen: dict, ref: dict, cfg, v: Verdict, form: str):
+    """Turn what the host saw into the verdict: errors, violations, trials, every timed call's check."""
     err = "\n".join(ln for ln in r.stderr.splitlines() if not ln.startswith("USDT:"))  # profiler noise
     v.timings["candidate_phases"] = r.phases()  # e.g. verify_at_s: torch import + CUDA init + candidate load
     v.timings["log"] = (err[-1500:] + ("\n[stdout]\n" + r.stdout[-500:] if r.stdout.strip() else "")).strip()
+    v.trials = seen["trials"]
     if r.result is None:
         v.stage, v.error = r.stage or "load", f"candidate {r.error}"
         return
     res = r.result
-    v.stage = res.get("stage", "load")
+    stage = res.get("stage", "load")
+    v.stage = "profile" if seen["calls"] else ("verify" if stage == "done" else stage)
     if form == "a" and "Error building extension" in (res.get("error") or "") + r.stderr:
         v.compiled, v.compile_log = False, _trim_log(r.stderr, False)
     if res.get("error") or res.get("violation"):
         v.error, v.violation = res.get("error"), res.get("violation")
         return
-    bad = [n for n in res.get("profiler_ops", []) if n[6:] not in _ALLOWED_OPS]  # host's own allow-list
+    ops = res.get("profiler_ops") or seen["ops"] or []
+    bad = [n for n in ops if n[6:] not in _ALLOWED_OPS]  # the host's own allow-list
     if bad:
         v.violation = f"aten op {bad[0]} seen by the profiler inside forward"
         return
-    cand, kind = res.get("trials") or {}, res.get("out_kind")
-    for s in seeds:
-        if s not in cand:
-            t = {"ok": False, "reason": "missing trial output"}
-        elif kind != ref["out_kind"]:
-            t = {"ok": False, "reason": f"returned a {kind}, the reference returns a {ref['out_kind']}"}
-        else:
-            t = compare(ref["outputs"][s], cand[s], res.get("devices"), cfg.device, cfg.atol, cfg.rtol)
-        v.trials.append({"seed": s, **t})
-    bad = next((t for t in v.trials if not t["ok"]), None)
-    if bad:
-        v.error = f"incorrect on trial seed {bad['seed']}: {bad['reason']}"
+    failed = next((t for t in v.trials if not t["ok"]), None)
+    if failed or len(v.trials) < cfg.n_trials:
+        v.error = f"incorrect on trial {failed['trial']}: {failed['reason']}" if failed else \
+            f"the protocol ended after {len(v.trials)} of {cfg.n_trials} trials ({seen['bad']})"
+        return
+    calls = seen["calls"]
+    v.timings["checked_calls"] = len(calls)  # every timed call, warm-ups included
+    bad_call = next((i for i, c in enumerate(calls) if not c.get("ok")), None)
+    if bad_call is not None:
+        v.error = f"incorrect on timed call {bad_call} (fresh inputs): {calls[bad_call].get('reason')}"
+        return
+    if cfg.profile and len(calls) < cfg.warmup + max(cfg.iters, 1):
+        v.violation = f"timing protocol broken ({seen['bad'] or 'calls missing'})"
         return
     v.correct = True
     if not cfg.profile:
         v.stage = "done"
-        return
-    if res.get("final_seed") != final_seed or "final" not in res:
-        v.correct, v.violation = False, "timing protocol broken (final output missing)"
-        return
-    t = compare(ref["outputs"][final_seed], res["final"], res.get("devices"), cfg.device, cfg.atol, cfg.rtol) \
-        if res.get("final_kind") == ref["out_kind"] else {"ok": False, "reason": "output kind changed"}
-    v.trials.append({"seed": final_seed, **t, "reason": t["reason"] and f"post-timing: {t['reason']}"})
-    if not t["ok"]:
-        v.correct, v.error = False, f"incorrect on the post-timing check (fresh seed): {t['reason']}"
-        return
-    _timing(r, res, base, v)
 
 
-def _timing(r: ChildResult, res: dict, base: dict, v: Verdict):
-    tm = res["timing"]
-    t0 = next((t for t, m in r.messages if m.get("type") == "timing_start"), None)
-    t1 = next((t for t, m in r.messages if m.get("type") == "timing_end"), None)
-    host_ms = (t1 - t0) * 1e3 if t0 and t1 else None
-    v.timings.update({"cand_cv": tm["cv"], "n_iters": tm["n_iters"], "host_wall_ms": host_ms,
-                      "child_phase_ms": res["phase_ms"], "eager_cv": base.get("eager_cv"),
+def _timing(seen: dict, base: dict, v: Verdict, cfg: SandboxConfig, retime):
+    """Candidate time (median of the timed calls after warm-up), the timer cross-check, and the baselines,
+    re-timed once before a speedup tier is awarded on a baseline measured in a single run."""
+    import statistics
+    calls = seen["calls"][cfg.warmup:]
+    ms = [c["ms"] for c in calls]
+    child_span, host_span = sum(c["span_ms"] for c in calls), sum(c["host_ms"] for c in calls)
+    med, mean = statistics.median(ms), statistics.fmean(ms)
+    v.timings.update({"cand_cv": statistics.pstdev(ms) / mean if mean > 0 else 0.0, "n_iters": len(ms),
+                      "host_span_ms": round(host_span, 3), "child_span_ms": round(child_span, 3)})
+    # The child's clock must agree with the host's over the same spans (patched or overwritten timers), and the
+    # timed calls must fit in those spans. The host's span of a call also holds two pipe hops and its reader
+    # thread's wake-up, a few ms on a loaded machine: hence the slack per call.
+    slack = max(0.5 * host_span, 5.0 * len(calls) + 50.0)
+    if child_span < host_span - slack or sum(ms) > child_span * 1.01 + 1.0:
+        v.correct, v.violation = False, (f"timer mismatch: host saw {host_span:.1f} ms, child reported "
+                                         f"{child_span:.1f} ms (sum of timed calls {sum(ms):.1f} ms)")
+        return
+    if med < 0.95 * base["eager_ms"] and base.get("runs", 1) < 2:  # a speedup tier depends on this baseline
+        base = retime()
+        v.timings["baseline_retimed"] = True
+    v.timings.update({"baseline": f"min of {len(base['eager_rounds'])} round medians over {base['runs']} run(s)",
+                      "eager_spread": round(base.get("spread", 0.0), 4), "eager_cv": base.get("eager_cv"),
                       "compile_error": base.get("compile_error")})
-    # the child's clock must agree with the host's around the timing phase (patched timers)
-    if host_ms is None or res["phase_ms"] < host_ms - max(0.25 * host_ms, 50.0) or \
-            tm["sum_ms"] > res["phase_ms"] * 1.01 + 1.0:
-        v.correct, v.violation = False, (f"timer mismatch: host saw {host_ms and round(host_ms, 1)} ms, child "
-                                         f"reported {res['phase_ms']:.1f} ms (sum of iters {tm['sum_ms']:.1f} ms)")
-        return
-    v.candidate_ms, v.eager_ms, v.compile_ms = tm["median_ms"], base["eager_ms"], base["compile_ms"]
+    v.candidate_ms, v.eager_ms, v.compile_ms = med, base["eager_ms"], base["compile_ms"]
     if v.candidate_ms > 0:
         v.speedup_eager = v.eager_ms / v.candidate_ms
         v.speedup_compile = v.compile_ms / v.candidate_ms if v.compile_ms else None
     v.stage = "done"
+
+
+def _retime(src: str, cfg: SandboxConfig, gpu, key: str, base: dict) -> dict:
+    """Time the baselines again in a new reference child and merge the rounds into the cached entry."""
+    res = _reference(src, cfg, [], True, gpu)
+    return _baseline_cache(cfg, key, _baseline_entry(res, base["precision"], base["device"], old=base))
 
 
 # ----------------------------------------------------------------------------- generic isolated call, pool

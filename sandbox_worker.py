@@ -1,22 +1,22 @@
 """Code that runs INSIDE an isolated sandbox child (`python sandbox_worker.py JOBFILE`).
 
-The host (`sandbox.py`) never imports candidate code; it launches this file in a fresh process per job,
-inside bubblewrap/unshare (see sandbox.py's threat model). Three job kinds:
-  * `reference`: load the pristine task, compute reference outputs for the given seeds (always strict
-    fp32, no TF32), return them with the reference's state_dict, and optionally time the eager and
-    `torch.compile` baselines.
-  * `candidate`: load the task (for get_inputs/get_init_inputs) and the candidate `ModelNew`, run the
-    correctness trials under the dispatch guard, the profiler layer, the thread checks, and time it.
-    It never sees the reference outputs: the host compares.
+The host (`sandbox.py`) never imports candidate code; it starts this file in a fresh process per job,
+inside bubblewrap (see sandbox.py's threat model). Three job kinds:
+  * `reference`: load the pristine task; compute full outputs for the trial seeds and sketches
+    (`sketch`) for the timing seeds, always in strict fp32; optionally time the eager and
+    `torch.compile` baselines in interleaved rounds.
+  * `candidate`: load the task and the candidate `ModelNew` (import and `__init__` under the dispatch
+    guard with the init allow-list), then serve the host's requests ONE AT A TIME over the control
+    pipe: `trial` (fresh seeded inputs, guarded forward, outputs shipped for the host to compare),
+    `ops` (the profiler's aten list), `time` (fresh seeded inputs, guarded and timed forward, then a
+    sketch of the output on projection keys sent only after the call), `done`. The job file holds no
+    seed, count or plan; the candidate never sees a reference output.
   * `call`: run a generic `module:function(**args)` for `sandbox.run_isolated`.
-Results go to the host as nonce-framed `torch.save` messages on an inherited pipe fd, never stdout.
+Results go to the host as nonce-framed `torch.save` messages on an inherited pipe fd, never stdout;
+the nonce arrives as the first control line, before any candidate code runs.
 
 It also exports the runtime helpers that a workspace's `model_new.py` uses (contract, form (b)):
     from sandbox_worker import load_kernel, ptr, stream
-
-Departures from the paper:
-  1. The paper's sandbox is not public; the checks here follow issue 2 and KernelBench's known hacks
-     (paper-notes section 6).
 
 Smoke: python -m pytest tests/test_sandbox.py -q -k honest
 """
@@ -40,6 +40,8 @@ _perf = time.perf_counter
 _sleep = time.sleep
 _sync = lambda: None  # noqa: E731 - torch.cuda.synchronize, bound in main() before candidate import
 
+_T: dict = {}  # torch functions the harness's own checks use, bound in main() before candidate import
+
 _KERNELS: dict[str, str] = {}      # kernel name -> path of the compiled .so (set by the worker)
 _LIBS: dict[str, ctypes.CDLL] = {}
 
@@ -51,6 +53,20 @@ unsqueeze slice select split split_with_sizes unbind narrow chunk detach detach_
 view_as flatten unflatten movedim diagonal unfold view_as_real view_as_complex resolve_conj resolve_neg
 sym_size sym_stride sym_numel sym_storage_offset size stride numel dim is_contiguous contiguous
 is_same_size _local_scalar_dense item to record_stream is_nonzero _has_compatible_shallow_copy_type
+""".split())
+
+# What the candidate's import and `ModelNew.__init__` may call besides ALLOWED_OPS: creation, random and
+# in-place initialisation (nn.Linear/Conv*/Norm/Embedding/RNN/MultiheadAttention construct with these),
+# dtype/device copies, and the elementwise scaling that init schemes apply. Matrix products, convolutions,
+# reductions and activations are refused: nothing the candidate computes before its first forward can be
+# an answer, since no input it will see exists yet.
+INIT_OPS = ALLOWED_OPS | frozenset("""
+zeros zeros_like ones ones_like full full_like fill fill_ zero_ scalar_tensor arange linspace logspace eye
+rand rand_like randn randn_like randint randint_like randperm normal normal_ uniform_ random_ bernoulli_
+exponential_ cauchy_ log_normal_ geometric_ erfinv_ erfinv lift_fresh_copy _to_copy copy_ clone
+_copy_from _copy_from_and_resize set_ resize_ tril triu tril_ triu_ mul mul_ div div_ add add_ sub sub_
+rsub neg neg_ sqrt rsqrt clamp clamp_ clamp_min clamp_min_ clamp_max clamp_max_ abs pow masked_fill_
+masked_fill index_fill_ lt le gt ge eq ne logical_not bitwise_not where sign floor ceil round cat stack
 """.split())
 
 
@@ -99,10 +115,11 @@ class Channel:
             view = view[os.write(self.fd, view):]
 
     def recv_control(self) -> dict:
-        """One JSON line from the host (used for the late post-timing seed)."""
+        """One JSON line from the host. The host writes one line per request it answers, so there is never
+        more than the current line in the pipe (a seed exists in this process only once it is used)."""
         line = b""
         while not line.endswith(b"\n"):
-            chunk = os.read(self.control_fd, 1)
+            chunk = os.read(self.control_fd, 4096)
             assert chunk, "host closed the control pipe"
             line += chunk
         return json.loads(line)
@@ -172,52 +189,91 @@ def _set_precision(tf32: bool):
     torch.set_float32_matmul_precision("high" if tf32 else "highest")
 
 
-# ----------------------------------------------------------------------------- timing (baselines AND candidate)
-class Timer:
-    """Times forward calls the same way for baselines and candidates.
+# ----------------------------------------------------------------------------- sketches (every timed call)
+SKETCH_KEYS = 3          # projections per output; an output that is wrong by about its own norm passes one
+SKETCH_CHUNK = 1 << 20   # with probability ~0.06 (see sandbox.sketch_close), so three keys: ~2e-4
 
-    Per iteration (outside the timed region): refill the inputs IN PLACE with fresh values (same pointers,
-    new content, so pointer- or content-keyed caches miss), flush the L2 (cuda: write 256 MB), then
-    device-wide synchronize; timed region: forward + device-wide synchronize (covers every stream).
+
+def sketch(ys: list, keys: list[int]) -> list[dict]:
+    """Per output: shape, dtype, device, the count of non-finite values, the L2 norm of the finite values, and
+    one projection <y, r_k> per key, r_k ~ N(0, 1) drawn on y's device from the key (same draw in the
+    reference child and the candidate child: same code, same device type, same torch).
+
+    The candidate child computes this on its output only after its forward returned and only then gets
+    the keys, so no output can be shaped to match a projection it does not know. Uses the torch functions
+    bound before candidate import (`_T`), not whatever the candidate left in `torch.*`. Small chunks and
+    on-device sums: no large temporaries for the allocator to keep, one host sync per output."""
+    import torch
+    out = []
+    for j, y in enumerate(ys):
+        flat = _T["reshape"](y.detach(), (-1,))
+        n = flat.shape[0]
+        gens = [_T["Generator"](device=flat.device) for _ in keys]
+        for g, k in zip(gens, keys):
+            g.manual_seed((int(k) * 1_000_003 + j) % (2**63))
+        acc = _T["zeros"](2 + len(keys), dtype=torch.float64, device=flat.device)  # nonfinite, sum sq, proj
+        for i in range(0, n, SKETCH_CHUNK):
+            x = _T["to"](flat[i:i + SKETCH_CHUNK], dtype=torch.float64)
+            fin = _T["isfinite"](x)
+            acc[0] += x.shape[0] - _T["sum"](fin)
+            x = _T["where"](fin, x, _T["zeros_like"](x))
+            acc[1] += _T["dot"](x, x)
+            for kk, g in enumerate(gens):
+                r = _T["randn"](x.shape[0], generator=g, device=x.device, dtype=torch.float32)
+                acc[2 + kk] += _T["dot"](x, _T["to"](r, dtype=torch.float64))
+        vals = acc.tolist()
+        out.append({"shape": list(y.shape), "dtype": str(y.dtype), "device": y.device.type, "numel": n,
+                    "nonfinite": int(vals[0]), "norm": max(vals[1], 0.0) ** 0.5, "proj": vals[2:]})
+    return out
+
+
+def _bind_torch():
+    """Bind the torch functions `sketch` uses before any candidate code can rebind them."""
+    import torch
+    _T.update(reshape=torch.reshape, Generator=torch.Generator, to=torch.Tensor.to, isfinite=torch.isfinite,
+              sum=torch.sum, where=torch.where, zeros_like=torch.zeros_like, dot=torch.dot, randn=torch.randn,
+              zeros=torch.zeros)
+
+
+# ----------------------------------------------------------------------------- baselines (trusted code)
+class Timer:
+    """Times forward calls of the trusted reference (eager and `torch.compile` baselines).
+
+    Per iteration (outside the timed region): refill the inputs IN PLACE with fresh values, flush the L2
+    (cuda: write 256 MB), then device-wide synchronize; timed region: forward + device-wide synchronize.
     """
 
-    def __init__(self, task, inputs: list, device: str, seed: int, clocks: tuple | None = None):
+    def __init__(self, task, inputs: list, device: str, seed: int):
         import torch
         self.device, self.inputs = device, inputs
-        self.perf, self.sync = clocks or (_perf, _sync)  # captured before candidate import (run_candidate)
         self.variants = [_make_inputs(task, seed + 7919 * (k + 1), device) for k in range(3)]
         self.flush_buf = torch.empty(256 * 2**20 // 4, dtype=torch.float32, device=device) \
             if device == "cuda" else None
 
-    def refill(self, i: int, src: list | None = None):
+    def refill(self, i: int):
         import torch
-        src = src if src is not None else self.variants[i % len(self.variants)]
+        src = self.variants[i % len(self.variants)]
         with torch.no_grad():
             for x, v in zip(self.inputs, src):
                 x.copy_(v)
-                if src is not self.variants[i % len(self.variants)] or not x.is_floating_point():
-                    continue
-                x.mul_(1.0 + 1e-3 * (i + 1))  # unique content per iteration (content-keyed caches miss)
+                if x.is_floating_point():
+                    x.mul_(1.0 + 1e-3 * (i + 1))  # unique content per iteration
         if self.flush_buf is not None:
             self.flush_buf.fill_(float(i))
-        self.sync()
+        _sync()
 
-    def run(self, fn, warmup: int, iters: int, final: list | None = None, final_wrap=None):
-        """Returns (times_ms list, last output). If `final` is given, the last iteration uses it."""
-        perf, sync = self.perf, self.sync  # read once: patching the Timer during forward changes nothing
+    def run(self, fn, warmup: int, iters: int) -> list:
         for i in range(warmup):
             self.refill(i)
             fn(*self.inputs)
-        times, out = [], None
+        times = []
         for i in range(iters):
-            last = final is not None and i == iters - 1
-            self.refill(i, final if last else None)
-            call = final_wrap(fn) if (last and final_wrap) else fn
-            t0 = perf()
-            out = call(*self.inputs)
-            sync()
-            times.append((perf() - t0) * 1e3)
-        return times, out
+            self.refill(i)
+            t0 = _perf()
+            fn(*self.inputs)
+            _sync()
+            times.append((_perf() - t0) * 1e3)
+        return times
 
 
 def _stats(times: list) -> dict:
@@ -228,9 +284,41 @@ def _stats(times: list) -> dict:
     return {"median_ms": med, "mean_ms": mean, "cv": cv, "n_iters": len(times), "sum_ms": sum(times)}
 
 
+BASELINE_ROUNDS = 3  # eager and compiled timed in interleaved rounds; the host keeps each round's median
+
+
+def _time_baselines(task, model, job: dict) -> dict:
+    """{"eager": [round medians], "compile": [round medians] | None, "eager_cv", "compile_error"}.
+
+    Rounds alternate eager and compiled, so a burst of load on the machine inflates one round of each,
+    not a whole baseline; the host takes the minimum over rounds (and over re-timings)."""
+    import torch
+    device, seed = job["device"], job["timing_seed"]
+    _set_precision(job["precision"] == "tf32")
+    timer = Timer(task, _make_inputs(task, seed, device), device, seed)
+    n = max(5, job["iters"] // BASELINE_ROUNDS)
+    res = {"eager": [], "compile": [], "eager_cv": 0.0, "compile_error": None}
+    compiled = None
+    with torch.no_grad():
+        for r in range(BASELINE_ROUNDS):
+            st = _stats(timer.run(model, job["warmup"] if r == 0 else 1, n))
+            res["eager"].append(st["median_ms"])
+            res["eager_cv"] = max(res["eager_cv"], st["cv"])
+            if res["compile_error"]:
+                continue
+            try:
+                compiled = torch.compile(model) if compiled is None else compiled
+                res["compile"].append(_stats(timer.run(compiled, max(job["warmup"], 3) if r == 0 else 1, n))
+                                      ["median_ms"])
+            except BaseException as e:  # noqa: BLE001 - e.g. no C compiler for inductor
+                res["compile"], res["compile_error"] = None, _one_line(e)
+    return res
+
+
 # ----------------------------------------------------------------------------- job kinds
 def run_reference(job: dict, ch: Channel):
-    """Reference outputs for every seed (strict fp32), the state_dict, and optionally the baselines."""
+    """Full outputs for the trial seeds, sketches for the timing seeds (strict fp32), the state_dict, and
+    optionally the baselines."""
     import torch
     device = job["device"]
     try:
@@ -240,22 +328,24 @@ def run_reference(job: dict, ch: Channel):
         model = task.Model(*init).to(device)
         if job.get("warm"):
             return ch.send(_warm_compile(task, model, job))
-        outs, kind = {}, None
+        outs, sketches, kind = {}, {}, None
         _set_precision(False)
         for seed in job["seeds"]:
-            xs = _make_inputs(task, seed, device)
             with torch.no_grad():
-                y = model(*xs)
-            kind, ys = _flatten(y)
+                kind, ys = _flatten(model(*_make_inputs(task, seed, device)))
             outs[seed] = _to_host(ys)
+        for seed, keys in job.get("sketch_seeds", {}).items():
+            with torch.no_grad():
+                kind, ys = _flatten(model(*_make_inputs(task, int(seed), device)))
+            sketches[int(seed)] = sketch(ys, keys)
     except (ValueError, TypeError) as e:
         return ch.send({"type": "result", "task_error": str(e)[:400]})
     except BaseException as e:  # noqa: BLE001
         return ch.send({"type": "result", "task_error": f"reference forward failed: {_one_line(e)}"})
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     sd = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    res = {"type": "result", "outputs": outs, "out_kind": kind, "state_dict": sd, "device_name": name,
-           "init_inputs": [x for x in init if isinstance(x, (int, float, bool, str))]}
+    res = {"type": "result", "outputs": outs, "sketches": sketches, "out_kind": kind, "state_dict": sd,
+           "device_name": name}
     if job.get("baselines"):
         res["baselines"] = _time_baselines(task, model, job)
     ch.send(res)
@@ -265,9 +355,8 @@ def _warm_compile(task, model, job: dict) -> dict:
     """Prewarm (sandbox.prewarm): one eager and one compiled forward under the baseline's precision and grad
     mode, so inductor's on-disk caches hold this graph when the baselines are timed. Nothing is timed."""
     import torch
-    device = job["device"]
     _set_precision(job["precision"] == "tf32")
-    xs = _make_inputs(task, job["timing_seed"], device)
+    xs = _make_inputs(task, job["timing_seed"], job["device"])
     res = {"type": "result", "warmed": True, "compile_error": None}
     with torch.no_grad():
         model(*xs)
@@ -279,40 +368,21 @@ def _warm_compile(task, model, job: dict) -> dict:
     return res
 
 
-def _time_baselines(task, model, job: dict) -> dict:
-    import torch
-    device, seed = job["device"], job["timing_seed"]
-    _set_precision(job["precision"] == "tf32")
-    xs = _make_inputs(task, seed, device)
-    timer = Timer(task, xs, device, seed)
-    res = {}
-    with torch.no_grad():
-        times, _ = timer.run(model, job["warmup"], job["iters"])
-        res["eager"] = _stats(times)
-        try:
-            compiled = torch.compile(model)
-            times, _ = timer.run(compiled, max(job["warmup"], 3), job["iters"])
-            res["compile"] = _stats(times)
-        except BaseException as e:  # noqa: BLE001 - e.g. no C compiler for inductor
-            res["compile"] = None
-            res["compile_error"] = _one_line(e)
-    return res
-
-
 def _guard_cls():
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Guard(TorchDispatchMode):
-        """Records (and refuses) every aten compute op called while ModelNew.forward runs."""
+        """Records (and refuses) every aten op outside `allowed` called while the guard is on."""
 
-        def __init__(self):
+        def __init__(self, allowed=ALLOWED_OPS):
             super().__init__()
             self.bad: list[str] = []
+            self.allowed = allowed
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None, _allowed=ALLOWED_OPS):
-            if func.namespace in ("aten", "prims") and func.overloadpacket.__name__ not in _allowed:
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace in ("aten", "prims") and func.overloadpacket.__name__ not in self.allowed:
                 self.bad.append(str(func))
-                raise RuntimeError(f"sandbox: aten op {func} is not allowed inside ModelNew.forward")
+                raise RuntimeError(f"sandbox: aten op {func} is not allowed here")
             return func(*args, **(kwargs or {}))
     return Guard
 
@@ -343,16 +413,25 @@ def _inherits_reference(cls, task) -> str | None:
     return None
 
 
-def _load_candidate(job: dict, task):
+def _load_candidate(job: dict, task, guard_cls):
+    """Import model_new and build ModelNew under the init guard; then load the reference weights."""
     import torch
     for name, path in job.get("kernels", {}).items():
         _KERNELS[name] = path
     sys.path.insert(0, job["cand_dir"])
     os.chdir(job["cand_dir"])
-    mod = _import_file(job["cand_path"], "model_new")
-    assert hasattr(mod, "ModelNew"), "solution defines no ModelNew"
-    torch.manual_seed(job["init_seed"])
-    model = mod.ModelNew(*task.get_init_inputs())
+    guard = guard_cls(INIT_OPS)
+    try:
+        with guard:
+            mod = _import_file(job["cand_path"], "model_new")
+            assert hasattr(mod, "ModelNew"), "solution defines no ModelNew"
+            torch.manual_seed(job["init_seed"])
+            model = mod.ModelNew(*task.get_init_inputs())
+    except BaseException:
+        if guard.bad:
+            raise PermissionError(f"aten op {guard.bad[0]} called while importing or constructing ModelNew "
+                                  f"(compute before the first input exists)") from None
+        raise
     assert isinstance(model, torch.nn.Module), "ModelNew must be an nn.Module"
     ref_sd = torch.load(job["state_dict_path"], weights_only=True)
     own = model.state_dict()
@@ -363,30 +442,40 @@ def _load_candidate(job: dict, task):
     return model.to(job["device"])
 
 
-def _forward_checked(model, xs, guard_cls, device, sync):
-    """One guarded forward: (output, violation|None). Raises on candidate exceptions (no violation)."""
-    import torch
-    if device == "cuda":  # Sakana: freed memory is garbage, not a reference output or a previous result
+def _scrub(device: str, sync):
+    """Before every candidate forward: freed CUDA memory is NaN, not a reference output or a previous result
+    (Sakana), the L2 holds none of the inputs, and the harness's own queued work has ended, so a candidate
+    on its own stream does not race it."""
+    if device == "cuda":
+        import torch
         junk = torch.empty(64 * 2**20, dtype=torch.float32, device=device).fill_(float("nan"))
         del junk
-        sync()  # the harness's own queued work (inputs, copies, this fill) ends before the candidate's starts,
-        # so a candidate on its own stream does not race it (that would be our bug, not the candidate's)
+    sync()
+
+
+def _forward(model, xs, guard_cls, device, clocks, timed: bool):
+    """One guarded forward: (output, ms or None, violation or None). Raises on candidate exceptions."""
+    import torch
+    perf, sync = clocks
+    _scrub(device, sync)
     py_before = set(threading.enumerate())
-    guard = guard_cls()
+    guard, ms = guard_cls(), None
     try:
         with torch.no_grad(), guard:
+            t0 = perf()
             out = model(*xs)
+            sync()
+            ms = (perf() - t0) * 1e3 if timed else None
     except BaseException:
         if guard.bad:
-            return None, f"aten op {guard.bad[0]} called inside forward (dispatch guard)"
+            return None, None, f"aten op {guard.bad[0]} called inside forward (dispatch guard)"
         raise
-    if guard.bad:
-        return None, f"aten op {guard.bad[0]} called inside forward (dispatch guard)"
-    sync()
+    if guard.bad:  # an op the candidate caught and swallowed
+        return None, None, f"aten op {guard.bad[0]} called inside forward (dispatch guard)"
     alive = [t for t in threading.enumerate() if t not in py_before and t.is_alive()]
     if alive:
-        return out, f"a thread started in forward is still alive after it returned ({alive[0].name})"
-    return out, None
+        return out, ms, f"a thread started in forward is still alive after it returned ({alive[0].name})"
+    return out, ms, None
 
 
 def run_candidate(job: dict, ch: Channel):
@@ -398,13 +487,15 @@ def run_candidate(job: dict, ch: Channel):
         torch.cuda.set_per_process_memory_fraction(job.get("gpu_mem_fraction", 0.9))
     _set_precision(job["precision"] == "tf32")
     task = _load_task(job["task_path"])
-    trial_inputs = [_make_inputs(task, s, device) for s in job["seeds"]]  # drawn as the reference draws them
-    ch.send({"type": "stage", "stage": "load"})  # torch imported, CUDA up, inputs drawn (timestamped by the host)
     torch.randn(1 << 20).mul_(2).sum()  # start torch's own intra-op thread pool before the thread checks
     guard_cls = _guard_cls()
     snapshot = _snapshot()
+    ch.send({"type": "stage", "stage": "load"})  # torch imported, CUDA up (timestamped by the host)
     try:
-        model = _load_candidate(job, task)
+        model = _load_candidate(job, task, guard_cls)
+    except PermissionError as e:
+        res["violation"] = str(e)
+        return ch.send(res)
     except BaseException as e:  # noqa: BLE001 - SystemExit from candidate code included
         res["error"] = f"loading the candidate failed: {_one_line(e)}"
         return ch.send(res)
@@ -413,13 +504,8 @@ def run_candidate(job: dict, ch: Channel):
     if res["violation"]:
         return ch.send(res)
     res["stage"] = "verify"
-    ch.send({"type": "stage", "stage": "verify"})
-    res.update(_verify(model, task, trial_inputs, guard_cls, job, clocks))
-    if res.get("error") or res.get("violation") or not job["profile"]:
-        return ch.send(res)
-    res["stage"] = "profile"
-    _restore(snapshot)  # ... and by its forward during verify
-    res.update(_profile(model, task, [x.to(device) for x in trial_inputs[0]], guard_cls, job, ch, clocks))
+    ch.send({"type": "stage", "stage": "verify"})  # the host answers with the first request
+    res.update(_serve(model, task, guard_cls, job, ch, clocks, snapshot))
     ch.send(res)
 
 
@@ -437,52 +523,70 @@ def _restore(snap: tuple):
                 setattr(cls, k, v)
 
 
-def _verify(model, task, trial_inputs, guard_cls, job, clocks) -> dict:
+def _serve(model, task, guard_cls, job, ch, clocks, snapshot) -> dict:
+    """Answer the host's requests one at a time until `done`; returns the result fields.
+
+    Each request carries the one seed it needs; the worker sends exactly one reply per request (a `time`
+    request two: the time, then the sketch once the host has sent the keys) and the host sends the next
+    request only after that reply, so no future seed is ever in this process."""
     import torch
-    device, res, outs, kind = job["device"], {}, {}, None
-    threads0 = None
-    for i, (seed, xs) in enumerate(zip(job["seeds"], trial_inputs)):
-        xs = [x.to(device) for x in xs]
-        copies = [x.clone() for x in xs]
+    device, threads0, last_xs, res = job["device"], None, None, {}
+    req = ch.recv_control()
+    while req["op"] != "done":
+        t_req = clocks[0]()  # the child's span of this request, cross-checked against the host's wall clock
+        xs = _make_inputs(task, int(req["seed"]), device) if req["op"] in ("trial", "time") else last_xs
+        if req["op"] == "ops":  # layer 2: the profiler's record of aten ops, without the dispatch guard
+            grown = _new_threads(threads0) if threads0 is not None else set()
+            if grown:
+                return {"violation": f"forward left {len(grown)} new native thread(s) running"}
+            try:
+                with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
+                    model(*xs)
+                names = {e.name for e in p.events()}
+            except BaseException as e:  # noqa: BLE001
+                return {"error": f"forward raised under the profiler: {_one_line(e)}"}
+            ops = sorted(n for n in names if n.startswith("aten::"))  # the host re-checks these
+            bad = [n for n in ops if n[6:] not in ALLOWED_OPS]
+            if bad:
+                return {"violation": f"aten op {bad[0]} seen by the profiler inside forward", "profiler_ops": ops}
+            threads0 = _native_threads()  # the profiler starts a thread of its own
+            ch.send({"type": "ops", "ops": ops})
+            req = ch.recv_control()
+            continue
+        copies = [x.clone() for x in xs] if req["op"] == "trial" else None
         try:
-            out, viol = _forward_checked(model, xs, guard_cls, device, clocks[1])
+            out, ms, viol = _forward(model, xs, guard_cls, device, clocks, timed=req["op"] == "time")
         except BaseException as e:  # noqa: BLE001
-            return {"error": f"forward raised on trial {i}: {_one_line(e)}"}
+            return {"error": f"forward raised on a {'timed call' if req['op'] == 'time' else 'trial'}: {_one_line(e)}"}
         if viol:
             return {"violation": viol}
         try:
             kind, ys = _flatten(out)
         except TypeError as e:
             return {"error": str(e)}
-        if i == 0:  # the output must not change after forward returned (a thread still writing it)
+        if threads0 is None:  # the first call: the output must not change after forward returned
             snap = [y.clone() for y in ys]
             _sleep(0.05)
             clocks[1]()
-            if not all(torch.equal(a, b) or _nan_equal(a, b) for a, b in zip(snap, ys)):
+            if not all(_nan_equal(a, b) for a, b in zip(snap, ys)):
                 return {"violation": "the output changed after forward returned (background writer)"}
             threads0 = _native_threads()
-        for x, c in zip(xs, copies):
-            if not _nan_equal(x, c):
-                return {"violation": f"forward modified its inputs (trial {i})"}
-        outs[seed] = _to_host(ys)
-        res.setdefault("devices", [str(y.device.type) for y in ys])
-    grown = _new_threads(threads0)
+        if copies is not None:
+            if not all(_nan_equal(x, c) for x, c in zip(xs, copies)):
+                return {"violation": "forward modified its inputs"}
+            ch.send({"type": "trial", "kind": kind, "outs": _to_host(ys), "devices": [y.device.type for y in ys]})
+            last_xs = xs
+        else:
+            ch.send({"type": "iter", "ms": ms, "kind": kind, "span_ms": (clocks[0]() - t_req) * 1e3})
+            keys = ch.recv_control()["keys"]  # drawn by the host after this call returned
+            ch.send({"type": "sketch", "sketch": sketch(ys, keys)})
+        del out, ys
+        _restore(snapshot)  # ... and patches made by its forward
+        req = ch.recv_control()
+    grown = _new_threads(threads0) if threads0 is not None else set()
     if grown:
         return {"violation": f"forward left {len(grown)} new native thread(s) running"}
-    res.update({"trials": outs, "out_kind": kind, "threads_after_warmup": sorted(threads0)})
-    # layer 2: the profiler's record of aten ops, without the dispatch guard
-    try:
-        xs = [x.to(device) for x in trial_inputs[0]]
-        with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            model(*xs)
-        names = {e.name for e in prof.events()}
-    except BaseException as e:  # noqa: BLE001
-        return {"error": f"forward raised under the profiler: {_one_line(e)}"}
-    res["profiler_ops"] = sorted(n for n in names if n.startswith("aten::"))  # the host re-checks these
-    bad = [n for n in res["profiler_ops"] if n[6:] not in ALLOWED_OPS]
-    if bad:
-        res["violation"] = f"aten op {bad[0]} seen by the profiler inside forward"
-    return res
+    return {"stage": "done"}
 
 
 def _nan_equal(a, b) -> bool:
@@ -494,43 +598,20 @@ def _nan_equal(a, b) -> bool:
     return torch.equal(a, b)
 
 
-def _profile(model, task, xs, guard_cls, job, ch, clocks) -> dict:
-    """Time the candidate; the final iteration runs on inputs of a seed the host sends only now."""
+def run_build(job: dict, ch: Channel):
+    """Import the solution and construct ModelNew once, so that load_inline builds into the shared build dir.
+    No input, seed or reference exists in this process; errors are left to the candidate run to report."""
     import torch
-    device = job["device"]
-    timer = Timer(task, xs, device, job["timing_seed"], clocks)  # fresh per job, not from the reference pool
-    state = {}
-
-    def guarded(fn):  # the final (checked) iteration also runs under the dispatch guard
-        def call(*a):
-            out, state["viol"] = _forward_checked(fn, a, guard_cls, device, clocks[1])
-            return out
-        return call
-
-    threads0 = _native_threads()  # after the verify trials and the profiler (which starts its own thread)
-    ch.send({"type": "timing_start"})
-    t_phase = clocks[0]()
-    final_seed = ch.recv_control()["final_seed"]
-    final = _make_inputs(task, final_seed, device)
     try:
-        with torch.no_grad():
-            times, out = timer.run(model, job["warmup"], job["iters"], final=final, final_wrap=guarded)
-    except BaseException as e:  # noqa: BLE001
-        return {"error": f"forward raised during timing: {_one_line(e)}"}
-    phase_ms = (clocks[0]() - t_phase) * 1e3
-    ch.send({"type": "timing_end"})
-    res = {"timing": _stats(times), "phase_ms": phase_ms, "final_seed": final_seed}
-    if state.get("viol"):
-        return {**res, "violation": state["viol"]}
-    try:
-        res["final_kind"], ys = _flatten(out)
-    except TypeError as e:
-        return {**res, "error": str(e)}
-    res["final"] = _to_host(ys)
-    grown = _new_threads(threads0)
-    if grown:
-        res["violation"] = f"forward left {len(grown)} new native thread(s) running (timing)"
-    return res
+        task = _load_task(job["task_path"])
+        sys.path.insert(0, job["cand_dir"])
+        os.chdir(job["cand_dir"])
+        mod = _import_file(job["cand_path"], "model_new")
+        torch.manual_seed(job["init_seed"])
+        mod.ModelNew(*task.get_init_inputs())
+    except BaseException as e:  # noqa: BLE001 - SystemExit from candidate code included
+        return ch.send({"type": "result", "built": False, "error": _one_line(e)})
+    ch.send({"type": "result", "built": True})
 
 
 def run_call(job: dict, ch: Channel):
@@ -550,13 +631,16 @@ def main(jobfile: str) -> int:
     sys.modules.setdefault("sandbox_worker", sys.modules[__name__])  # model_new imports the helpers
     with open(jobfile) as f:
         job = json.load(f)
-    ch = Channel(job["result_fd"], bytes.fromhex(job["nonce"]), job.get("control_fd"))
+    ch = Channel(job["result_fd"], b"", job.get("control_fd"))
+    ch.nonce = bytes.fromhex(ch.recv_control()["nonce"])  # first control line; never in a file
     global _sync
     if job.get("device") == "cuda":
         import torch
         _sync = torch.cuda.synchronize  # bound before any candidate code runs (patched timers)
+    if job["kind"] in ("reference", "candidate"):
+        _bind_torch()
     gc.collect()
-    {"reference": run_reference, "candidate": run_candidate, "call": run_call}[job["kind"]](job, ch)
+    {"reference": run_reference, "candidate": run_candidate, "build": run_build, "call": run_call}[job["kind"]](job, ch)
     sys.stdout.flush()
     os._exit(0)  # skip interpreter teardown (candidate atexit hooks, CUDA teardown races)
 

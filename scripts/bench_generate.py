@@ -1,13 +1,13 @@
 """Multi-turn rollout throughput: generate.Engine vs the plain `model.generate` loop, same model, one run.
 
-The workload mimics agent rollouts (issue 7 §4): `episodes` conversations start from a `prompt_tokens`
+The workload mimics agent rollouts: `episodes` conversations start from a `prompt_tokens`
 prompt; every turn each one receives an observation of `obs_tokens/2..obs_tokens` random tokens and samples
 up to a per-episode budget of `new_tokens/2..new_tokens` tokens. The conversations are driven by the
 engine's outputs; on turns < `plain_turns` the plain loop runs on the SAME conversations before the
 engine's turn is appended: it left-pads every active conversation, re-encodes it with `model.generate`
 (DynamicCache, one batch that waits for its longest row) and cuts each row at its stop id / budget.
-Models have random weights built from a config (no download): `toy` (CPU), `small` (~0.7B Qwen3-MoE, the
-issue's model size) and `a3b` (the Qwen3-30B-A3B shape, ~61 GB in bf16).
+Models have random weights built from a config (no download): `toy` (CPU), `small` (~0.7B Qwen3-MoE) and
+`a3b` (the Qwen3-30B-A3B shape, ~61 GB in bf16).
 
 Reported: tokens/s of both over the turns both ran (the plain loop's later turns are only slower, so the
 speedup on its first turns is a lower bound), engine tokens/s over all turns, seconds per turn vs turn index,
@@ -244,5 +244,11 @@ def main(cfg: BenchConfig) -> int:
 
 
 if __name__ == "__main__":
-    from cuda_agent import parse_config
-    sys.exit(main(parse_config(BenchConfig, sys.argv[1:], presets=PRESETS, prog="bench_generate.py")))
+    import dataclasses
+
+    import tyro   # the command line only
+
+    from cuda_agent import pop_preset
+    name, rest = pop_preset(sys.argv[1:], PRESETS)
+    sys.exit(main(tyro.cli(BenchConfig, args=rest, default=dataclasses.replace(PRESETS[name], preset=name),
+                           prog="bench_generate.py")))

@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kernelbench_eval as kb  # noqa: E402
 import sandbox  # noqa: E402
+from tasks import Task  # noqa: E402
 
 STALE = {(1, 12): "edited after the H100 data was recorded", (1, 97): "edited after the H100 data was recorded"}
 
@@ -50,16 +51,16 @@ def load_h100(h100_dir: str) -> tuple[dict, dict]:
     return eager, comp
 
 
-def h100_ms(table: dict, p: kb.Problem) -> float | None:
+def h100_ms(table: dict, p: Task) -> float | None:
     row = table.get(f"level{p.level}", {}).get(f"{p.problem_id}_{p.name}.py")
     return float(row["mean"]) if row else None
 
 
-def is_conv(p: kb.Problem) -> bool:
+def is_conv(p: Task) -> bool:
     return "conv" in p.name.lower() or "nn.Conv" in p.code
 
 
-def time_one(p: kb.Problem, args, precision: str) -> dict:
+def time_one(p: Task, args, precision: str) -> dict:
     cfg = sandbox.SandboxConfig(device=args.device, precision=precision, cache_dir=args.cache_dir,
                                 mem_limit_mb=args.mem_limit_mb)
     t0 = time.time()
@@ -73,7 +74,7 @@ def time_one(p: kb.Problem, args, precision: str) -> dict:
                 "wall_s": time.time() - t0, "error": f"{type(e).__name__}: {e}"[:300]}
 
 
-def make_row(p: kb.Problem, ours: dict, h_eager: dict, h_comp: dict) -> dict:
+def make_row(p: Task, ours: dict, h_eager: dict, h_comp: dict) -> dict:
     """Our timings per precision vs H100; ratios use the precision that matches the H100 run (like with like)."""
     like = "tf32" if is_conv(p) and "tf32" in ours else ("fp32" if "fp32" in ours else next(iter(ours)))
     r = {"level": p.level, "problem_id": p.problem_id, "name": p.name, "conv": is_conv(p), "ours": ours,

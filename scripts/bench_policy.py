@@ -23,10 +23,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from env import TOOLS, EpisodeState  # noqa: E402
+from env import EpisodeState  # noqa: E402
 from policy import HFPolicy, build_tiny_model_and_tokenizer, build_tiny_tokenizer  # noqa: E402
+from tools import TOOLS  # noqa: E402
 
-# random Qwen3-MoE shapes (Qwen3MoeConfig kwargs); "small" is ~0.7B total parameters (issue 7's size)
+# random Qwen3-MoE shapes (Qwen3MoeConfig kwargs); "small" is ~0.7B total parameters
 SHAPES = {"small": dict(hidden_size=1024, intermediate_size=3072, moe_intermediate_size=384, num_hidden_layers=12,
                         num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_experts=64,
                         num_experts_per_tok=8)}

@@ -3,8 +3,9 @@
 The model is Qwen3-30B-A3B's architecture (48 layers, hidden 2048, 128 experts, top-8, 3.3B active of 30.5B),
 built from its config on the GPU in bf16 — nothing is downloaded. LoRA actor + critic + value head come from
 ppo.add_actor_critic_adapters (attention + fused experts through peft target_parameters), so this measures
-the code `train` runs: HF `generate` with the actor adapter, then ppo.score_batch + ppo.ppo_update
-(old log-probs, values, GAE, one clipped actor step and one critic step) with gradient checkpointing.
+the code `train` runs: HF `generate` with the actor adapter, then the phases of train.ppo_iteration
+(ppo.score: old log-probs and values; ppo.compute_gae; ppo.ppo_update: one clipped actor step and one
+critic step) with gradient checkpointing.
 
 Reports (one JSON line at the end, also written to $OUT/bench_ppo.json when $OUT is set): parameter count,
 layers kept, peak GPU memory, generation tokens/s, update tokens/s.
@@ -25,6 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ppo  # noqa: E402
+import train  # noqa: E402
 
 # Qwen/Qwen3-30B-A3B config.json (public), restated so nothing is downloaded.
 QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
@@ -78,7 +80,7 @@ def main() -> int:
     build_s = time.time() - t0
     print(f"built {n_params / 1e9:.2f}B params ({a.layers} layers) + LoRA {info} in {build_s:.0f}s; "
           f"experts impl {getattr(conf, '_experts_implementation', None)}", flush=True)
-    cfg = dataclasses.replace(ppo.PRESETS["paper"], micro_batch_size=1, ppo_epochs=1, num_minibatches=1)
+    cfg = dataclasses.replace(train.PRESETS["paper"], micro_batch_size=1, ppo_epochs=1, num_minibatches=1)
     opt = ppo.make_optimizers(model, head, cfg)
 
     # 1) rollout: generation with the actor adapter (KV cache, sampling)
@@ -99,20 +101,21 @@ def main() -> int:
 
     # 2-4) score (old log-probs, values, GAE) + one PPO update (actor + critic), bf16 weights, fp32 LoRA
     g = torch.Generator().manual_seed(0)
-    samples = []
-    for i in range(a.batch):
-        ids = torch.randint(0, conf.vocab_size, (a.seq,), generator=g).tolist()
-        mask = [0] * (a.seq // 4) + [1] * (a.seq - a.seq // 4)  # a prompt, then policy tokens
-        samples.append({"input_ids": ids, "mask": mask, "reward": float(i % 4) - 1.0})
+    ids = [torch.randint(0, conf.vocab_size, (a.seq,), generator=g).tolist() for _ in range(a.batch)]
+    masks = [[0] * (a.seq // 4) + [1] * (a.seq - a.seq // 4)] * a.batch  # a prompt, then policy tokens
+    b_ids, b_attn, b_mask, b_rewards = ppo.collate(ids, masks, [float(i % 4) - 1.0 for i in range(a.batch)], 0, dev)
     model.train()
     torch.cuda.reset_peak_memory_stats()
     torch.cuda.synchronize()
     t = time.time()
-    ppo.score_batch(model, head, samples, cfg, 0, dev)
+    b_values, b_logp, _ = ppo.score(model, head, b_ids, b_attn, cfg.micro_batch_size, cfg.temperature)
+    b_adv, b_returns = ppo.compute_gae(b_rewards, b_values, b_mask, cfg.gamma, cfg.lam)
+    b_adv = ppo.whiten_advantages(b_adv, b_mask)
     torch.cuda.synchronize()
     score_s = time.time() - t
     t = time.time()
-    st = ppo.ppo_update(model, head, opt, samples, cfg, 0, dev, n_global=a.batch)
+    st = ppo.ppo_update(model, head, opt, cfg, b_ids, b_attn, b_mask, b_logp, b_values, b_adv, b_returns,
+                        n_global=a.batch)
     torch.cuda.synchronize()
     upd_s = time.time() - t
     peak_upd = torch.cuda.max_memory_allocated() / 2 ** 30

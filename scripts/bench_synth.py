@@ -10,6 +10,7 @@ Outputs: <out-dir>/bench_synth.json and <out-dir>/bench_synth.md (plus the synth
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -18,23 +19,26 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import synth  # noqa: E402
+from synth_filters import FILTERS  # noqa: E402
+from tasks import load_tasks  # noqa: E402
 
 
 def summarize(man: dict, rows: list[dict], wall_s: float) -> dict:
     """Per-filter entered/rejected/pass rate, acceptance, throughput, runtime spread of accepted tasks."""
     rej, n = man["rejections"], man["n_candidates"]
     entered, left = {}, n - rej.get("compose", 0)
-    for f in synth.FILTERS:
+    for f in FILTERS:
         entered[f] = left
         left -= rej.get(f, 0)
     per_filter = [{"filter": f, "entered": entered[f], "rejected": rej.get(f, 0),
                    "pass_rate": round(1 - rej.get(f, 0) / entered[f], 4) if entered[f] else None}
-                  for f in synth.FILTERS]
+                  for f in FILTERS]
     eager = [r["eager_ms"] for r in rows if r.get("eager_ms") is not None]
     speed = [r["eager_ms"] / r["compile_ms"] for r in rows if r.get("eager_ms") and r.get("compile_ms")]
     return {"n_candidates": n, "n_accepted": man["n_accepted"], "acceptance": round(man["n_accepted"] / max(n, 1), 4),
             "compose_failures": rej.get("compose", 0), "per_filter": per_filter, "wall_s": round(wall_s, 1),
-            "candidates_per_hour": round(n / wall_s * 3600, 1), "tasks_per_hour": round(man["n_accepted"] / wall_s * 3600, 1),
+            "candidates_per_hour": round(n / wall_s * 3600, 1),
+            "tasks_per_hour": round(man["n_accepted"] / wall_s * 3600, 1),
             "accepted_by_source": man["counts"], "window_ms": man["window_ms"], "device": man["device"],
             "eager_ms_median": round(statistics.median(eager), 3) if eager else None,
             "eager_ms_min_max": [round(min(eager), 3), round(max(eager), 3)] if eager else None,
@@ -72,14 +76,16 @@ def main() -> int:
     ap.add_argument("--out-dir", default="runs/bench_synth")
     a = ap.parse_args()
     os.makedirs(a.out_dir, exist_ok=True)
-    cfg = synth.SynthConfig(out=os.path.join(a.out_dir, "tasks.jsonl"), device=a.device, n_candidates=a.n_candidates,
+    cfg = synth.SynthConfig(out=os.path.join(a.out_dir, "tasks.jsonl"), n_candidates=a.n_candidates,
                             workers=a.workers, chunk=a.chunk, seed=a.seed, compile_backend=a.compile_backend,
                             kernelbench_dir=a.kernelbench_dir, resume=False, progress=True)
+    cfg.sandbox = dataclasses.replace(cfg.sandbox, device=a.device)
     t0 = time.time()
     synth.main(cfg)
     wall = time.time() - t0
     man = json.load(open(cfg.out + ".manifest.json"))
-    s = summarize(man, synth.load_tasks(cfg.out) if os.path.getsize(cfg.out) else [], wall)
+    rows = [t.to_row() for t in load_tasks(cfg.out)] if os.path.getsize(cfg.out) else []
+    s = summarize(man, rows, wall)
     with open(os.path.join(a.out_dir, "bench_synth.json"), "w") as f:
         json.dump(s, f, indent=1)
     md = markdown(s)

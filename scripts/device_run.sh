@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: build, check and time what a session needs, in one go (the device lease is
-# short, so every GPU measurement in the README comes from a section of this script).
+# One call on the GPU machine: build, check and time everything in one go (every GPU measurement in the
+# README comes from a section of this script).
 #
 #   scripts/device_run.sh env gpu-tests sandbox      # pick sections; default: all, in the order below
 #
@@ -24,6 +24,12 @@ KB=${KB:-.carry}   # a folder holding KernelBench/level{N}/
 # bubblewrap is not on the GPU image: unpack the carried Debian package (a single static-ish binary).
 if ! command -v bwrap >/dev/null 2>&1 && ls .carry/debs/bubblewrap*.deb >/dev/null 2>&1; then
   dpkg -x .carry/debs/bubblewrap*.deb /tmp/bwrap_root$TAG && export PATH=/tmp/bwrap_root$TAG/usr/bin:$PATH
+fi
+
+# tyro (the command-line parser) is not on the GPU image either: install the carried wheels (tyro,
+# docstring-parser, typeguard, typing-extensions) when it is missing.
+if ! python3 -c "import tyro" >/dev/null 2>&1 && ls .carry/wheels/tyro-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --find-links .carry/wheels tyro
 fi
 
 section() {  # name, time limit (s), command...
@@ -60,8 +66,8 @@ if want kb-baselines; then
     --cache-dir "$CUDA_AGENT_CACHE" --out "$RES/kb_baselines"
 fi
 if want kb-samples; then
-  section kb-samples "${T_KBS:-420}" python3 kernelbench_eval.py --kernelbench-dir "$KB" --level 1,2 --samples-only \
-    --samples-dir scripts/kb_samples --device cuda --cache-dir "$CUDA_AGENT_CACHE" --out "$RES/kb_samples"
+  section kb-samples "${T_KBS:-420}" python3 kernelbench_eval.py --kernelbench-dir "$KB" --level 1 2 --samples-only \
+    --samples-dir scripts/kb_samples --sandbox.device cuda --sandbox.cache-dir "$CUDA_AGENT_CACHE" --out "$RES/kb_samples"
 fi
 if want synth; then
   section synth "${T_SYN:-420}" python3 scripts/bench_synth.py --device cuda --n-candidates 200 ${SYN_ARGS:-} --out-dir "$RES/bench_synth"
@@ -76,12 +82,12 @@ if want ppo; then
   section ppo "${T_PPO:-480}" python3 scripts/bench_ppo.py --device cuda ${PPO_ARGS:-} --out "$RES/bench_ppo.json"
 fi
 if want train-tiny; then
-  section train-tiny "${T_TRAIN:-480}" python3 cuda_agent.py train --device cuda --sandbox-device cuda \
+  section train-tiny "${T_TRAIN:-480}" python3 cuda_agent.py train --device cuda --sandbox.device cuda \
     --run-dir "$RES/train_tiny" --tensorboard ${TRAIN_ARGS:-}
 fi
 if want train-ddp; then  # data-parallel over every visible GPU; the sandbox on CPU so no GPU times next to training
   section train-ddp "${T_DDP:-420}" accelerate launch --multi_gpu --num_processes "${DDP_PROCS:-2}" --mixed_precision no \
-    cuda_agent.py train --device cuda --sandbox-device cpu --run-dir "$RES/train_ddp" ${DDP_ARGS:-}
+    cuda_agent.py train --device cuda --sandbox.device cpu --run-dir "$RES/train_ddp" ${DDP_ARGS:-}
 fi
 
 tar -czf "$OUT/results$TAG.tgz" -C "$RES" . 2>/dev/null

@@ -1,56 +1,71 @@
-"""The CLI's dataclass -> argparse layer (cuda_agent.parse_config)."""
+"""The command line (cuda_agent.py): nested tyro configs, presets, positional arguments, exit codes."""
 import dataclasses
+import json
+import os
 
 import pytest
 
-from cuda_agent import field_docs, main, parse_config
+tyro = pytest.importorskip("tyro")
+
+import cuda_agent  # noqa: E402
+import train  # noqa: E402
+from cuda_agent import main, pop_preset  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@dataclasses.dataclass
-class Cfg:
-    task: str = ""
-    """the task file"""
-    steps: int = 3
-    """number of steps"""
-    lr: float = 1e-3
-    """learning rate"""
-    name: str | None = None
-    """optional name"""
-    gpus: list[int] = dataclasses.field(default_factory=list)
-    """comma-separated GPU ids"""
-    resume: bool = False
-    """pick up the last checkpoint"""
-    preset: str = "tiny"
-    """preset name"""
+def parse_train(argv):
+    """What `cuda_agent.py train ARGV` would run, without running it."""
+    name, rest = pop_preset(argv, train.PRESETS)
+    return tyro.cli(train.TrainConfig, args=rest, default=dataclasses.replace(train.PRESETS[name], preset=name))
 
 
-PRESETS = {"tiny": Cfg(steps=1), "big": Cfg(steps=100, lr=0.5)}
+def test_field_docstrings_become_help(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "the one seed (python, numpy, torch, sampling)" in out and "--env.max-turns" in out
 
 
-def test_field_docs_read_from_source():
-    d = field_docs(Cfg)
-    assert d["steps"] == "number of steps" and d["gpus"] == "comma-separated GPU ids"
-
-
-def test_flags_types_and_defaults():
-    c = parse_config(Cfg, ["--steps", "7", "--lr", "0.5", "--gpus", "0,2", "--resume", "--name", "none"])
-    assert (c.steps, c.lr, c.gpus, c.resume, c.name) == (7, 0.5, [0, 2], True, None)
-    assert parse_config(Cfg, []) == Cfg()
+def test_flags_types_nesting_and_defaults():
+    c = parse_train(["--seed", "7", "--lr-actor", "0.5", "--sandbox-gpus", "0", "2", "--resume", "--demos", "None",
+                     "--env.max-turns", "1", "--env.reward", "speedup", "--sandbox.atol", "0.001"])
+    assert (c.seed, c.lr_actor, c.sandbox_gpus, c.resume, c.demos) == (7, 0.5, [0, 2], True, None)
+    assert (c.env.max_turns, c.env.reward, c.sandbox.atol) == (1, "speedup", 0.001)
+    assert parse_train([]) == train.PRESETS["tiny"]
 
 
 def test_preset_then_override():
-    assert parse_config(Cfg, [], presets=PRESETS).steps == 1          # first preset is the default
-    c = parse_config(Cfg, ["--preset", "big", "--steps", "5"], presets=PRESETS)
-    assert (c.steps, c.lr, c.preset) == (5, 0.5, "big")                 # flag beats preset, preset beats default
+    assert parse_train([]).batch_size == 4                              # the first preset is the default
+    c = parse_train(["--preset", "paper", "--batch-size", "8"])
+    assert (c.batch_size, c.lr_actor, c.preset, c.env.max_turns) == (8, 3e-5, "paper", 150)  # flag > preset > default
+    assert parse_train(["--preset=paper"]).sandbox.device == "cuda"
 
 
 def test_positional():
-    c = parse_config(Cfg, ["t.py", "--steps", "2"], positional=("task",))
-    assert (c.task, c.steps) == ("t.py", 2)
+    c = tyro.cli(cuda_agent.SolveConfig, args=["t.py", "--env.max-turns", "2", "--policy.kind", "hf"])
+    assert (c.task, c.env.max_turns, c.policy.kind) == ("t.py", 2, "hf")
 
 
-def test_bad_flag_and_unknown_command_exit_2(capsys):
+def test_bad_flag_unknown_preset_and_unknown_command_exit_2(capsys):
     with pytest.raises(SystemExit) as e:
-        parse_config(Cfg, ["--nope"])
+        parse_train(["--nope"])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        parse_train(["--preset", "huge"])
     assert e.value.code == 2
     assert main(["frobnicate"]) == 2
+
+
+def test_check_prints_the_reward_computed_by_reward_py(tmp_path, capsys):
+    """`check` on a missing solution is a usage error; on a real one its JSON carries reward.py's reward."""
+    task = os.path.join(ROOT, "tests", "fixtures", "kernelbench", "KernelBench", "level1", "1_Tiny_ReLU.py")
+    assert main(["check", task, str(tmp_path / "nothing.py")]) == 2
+    sol = tmp_path / "sol.py"
+    sol.write_text("import torch\nclass ModelNew(torch.nn.Module):\n    def forward(self, x):\n"
+                   "        return torch.relu(x)\n")
+    rc = main(["check", task, str(sol), "--json", "--sandbox.no-profile", "--sandbox.cache-dir", str(tmp_path / "c"),
+               "--reward", "speedup"])
+    v = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and v["violation"] and v["reward"] == -1.0

@@ -7,7 +7,9 @@ import pytest
 
 import env
 import sandbox
-from env import EnvConfig, load_trajectories, run_episodes, save_trajectories, tokenize_conversation
+import tools
+from env import EnvConfig, run_episodes, tokenize_conversation
+from tasks import Task, Trajectory, load_trajectories, save_trajectories
 from policy import HFPolicy, ReplayPolicy, build_tiny_model_and_tokenizer
 
 TASK = '''import torch
@@ -83,7 +85,7 @@ TOUR = [
          call("read_file", path="/etc/passwd"), call("read_file", path="nothere.py")),
     turn(call("bash", command="ln -s /etc/hostname link && ls && python -c 'import sandbox_worker as w; print(w.ptr)'"),
          call("read_file", path="link")),
-    turn(call("bash", command="ls " + env.REPO + " | wc -l; echo x > model.py; python -c \"import socket; "
+    turn(call("bash", command="ls " + tools.REPO + " | wc -l; rm link; echo x > model.py; python -c \"import socket; "
               "socket.create_connection(('1.1.1.1', 80), timeout=3)\" 2>&1 | tail -1"),
          call("bash", command="sleep 20", timeout=1)),
     '<tool_call>{"name": "verify", "arguments": {</tool_call>',                                 # malformed
@@ -123,29 +125,29 @@ def _obs(traj, name):
 
 # ---------------------------------------------------------------------------------------------- unit pieces
 def test_workspace_layout_and_confinement(tmp_path):
-    ws = env.make_workspace(str(tmp_path / "ws"), TASK, "cuda")
+    ws = tools.make_workspace(str(tmp_path / "ws"), TASK, "cuda")
     assert sorted(os.listdir(ws)) == ["INSTRUCTIONS.md", "kernels", "model.py", "model_new.py"]
     assert os.listdir(os.path.join(ws, "kernels")) == ["kernel.cu"]
     assert oct(os.stat(os.path.join(ws, "model.py")).st_mode & 0o777) == "0o444"
     text = open(os.path.join(ws, "INSTRUCTIONS.md")).read()
     assert "cuBLAS" in text and "torch.compile" in text and "0.01" in text
+    assert set(tools.snapshot(ws)) == {"model_new.py", "kernels/kernel.cu"}
     for bad in ["../x", "/etc/passwd", "kernels/../../x", ""]:
         with pytest.raises(ValueError):
-            env.confine(ws, bad)
+            tools.confine(ws, bad)
     os.symlink("/etc", os.path.join(ws, "out"))
     with pytest.raises(ValueError):
-        env.confine(ws, "out/passwd")
-    assert env.confine(ws, "kernels/a.cu") == os.path.join(os.path.realpath(ws), "kernels/a.cu")
-    assert set(env.snapshot(ws)) == {"model_new.py", "kernels/kernel.cu"}
+        tools.confine(ws, "out/passwd")
+    assert tools.confine(ws, "kernels/a.cu") == os.path.join(os.path.realpath(ws), "kernels/a.cu")
 
 
 def test_parse_solution_blocks():
     text = f"Here:\n```python model_new.py\n{MODEL_NEW}```\n```cpp\n// file: kernels/relu.cpp\n{KERNEL}```\n" \
            "```cpp ../evil.cpp\nx\n```"
-    files, errors = env.parse_solution_blocks(text)
+    files, errors = tools.parse_solution_blocks(text)
     assert set(files) == {"model_new.py", "kernels/relu.cpp"} and files["model_new.py"] == MODEL_NEW
     assert errors == ["refused file name '../evil.cpp'"]
-    assert env.parse_solution_blocks("no code")[1] == ["no ```python model_new.py``` block in the response"]
+    assert tools.parse_solution_blocks("no code")[1] == ["no ```python model_new.py``` block in the response"]
 
 
 def test_flat_logprobs_spreads_turns_over_mask_runs():
@@ -157,7 +159,7 @@ def test_flat_logprobs_spreads_turns_over_mask_runs():
 # ---------------------------------------------------------------------------------------------- real sandbox episodes
 def test_replay_episodes_every_tool_and_error_path_then_honest_solution(tmp_path, pool, tok):
     cfg = EnvConfig(work_dir=str(tmp_path / "ws"), max_turns=40, bash_timeout_s=10)
-    trajs = run_episodes(ReplayPolicy({0: TOUR, 1: SHORT}), [{"source": TASK, "name": "relu"}, TASK], pool, cfg,
+    trajs = run_episodes(ReplayPolicy({0: TOUR, 1: SHORT}), [Task(code=TASK, name="relu"), Task(code=TASK)], pool, cfg,
                          tokenizer=tok)
     t, s = trajs
     # the tour
@@ -194,7 +196,7 @@ def test_replay_episodes_every_tool_and_error_path_then_honest_solution(tmp_path
     assert open(os.path.join(ws0, "model.py")).read() == TASK
     assert not os.path.exists(tmp_path / "ws" / "escape.txt")
     # the short episode ran alongside and finished early
-    assert s.stop_reason == "finish" and len(s.turns) == 2 and s.final_reward >= 1 and s.task.startswith("task_")
+    assert s.stop_reason == "finish" and len(s.turns) == 2 and s.final_reward >= 1 and s.task == Task(code=TASK).hash
     # records: round trip and exact re-tokenisation
     path = str(tmp_path / "traj.jsonl")
     save_trajectories(path, trajs)
@@ -210,9 +212,9 @@ def test_replay_episodes_every_tool_and_error_path_then_honest_solution(tmp_path
 def test_single_turn_mode(tmp_path, pool):
     good = f"Solution:\n```python model_new.py\n{MODEL_NEW}```\n```cpp kernels/relu.cpp\n{KERNEL}```\n"
     cfg = EnvConfig(work_dir=str(tmp_path / "ws"), single_turn=True)
-    g, b = run_episodes(ReplayPolicy({0: [good], 1: ["I cannot do it."]}), [TASK, TASK], pool, cfg)
+    g, b = run_episodes(ReplayPolicy({0: [good], 1: ["I cannot do it."]}), [Task(code=TASK)] * 2, pool, cfg)
     assert g.tools is None and "```python model_new.py" in g.messages[1]["content"]
-    assert "## Tools" not in g.messages[1]["content"] and g.messages[0]["content"] == env.SYSTEM_SINGLE
+    assert "## Tools" not in g.messages[1]["content"] and g.messages[0]["content"] == tools.prompt("system_single.md")
     assert g.stop_reason == "single_turn" and g.final_reward >= 1 and g.invalid_calls == 0
     assert b.final_reward == -1 and b.invalid_calls == 1
 
@@ -222,7 +224,7 @@ def test_tiny_moe_drives_the_env_and_its_garbage_is_handled(tmp_path):
     model, tok = build_tiny_model_and_tokenizer(seed=0)
     pol = HFPolicy(model, tok, max_new_tokens=40, temperature=1.0, seed=0)
     cfg = EnvConfig(work_dir=str(tmp_path / "ws"), max_turns=4, final_check=False)
-    trajs = run_episodes(pol, [TASK, TASK], None, cfg)     # pool unused: random text calls no tools
+    trajs = run_episodes(pol, [Task(code=TASK)] * 2, None, cfg)     # pool unused: random text calls no tools
     for t in trajs:
         assert t.stop_reason == "max_turns" and len(t.turns) == 4
         assert all(m["content"].startswith("[error]") for m in t.messages[2:] if m["role"] == "user")
@@ -230,9 +232,9 @@ def test_tiny_moe_drives_the_env_and_its_garbage_is_handled(tmp_path):
         assert sum(t.mask) == sum(map(len, sampled)), "mask must cover exactly the sampled tokens"
         assert all(lp < 0 for lp, k in zip(t.logprobs, t.mask) if k) and not any(
             lp for lp, k in zip(t.logprobs, t.mask) if not k)
-        back = env.Trajectory.from_json(t.to_json())
+        back = Trajectory.from_dict(json.loads(t.to_json()))
         assert tokenize_conversation(back.messages, back.tools, tok) == (t.ids, t.mask)
-    short = run_episodes(pol, [TASK], None, EnvConfig(work_dir=str(tmp_path / "w2"), max_context_tokens=100,
+    short = run_episodes(pol, [Task(code=TASK)], None, EnvConfig(work_dir=str(tmp_path / "w2"), max_context_tokens=100,
                                                       final_check=False))[0]
     assert short.stop_reason == "context" and len(short.turns) == 1
 
@@ -246,8 +248,8 @@ def test_solve_through_the_cli_saves_transcript_trajectory_and_best(tmp_path, ca
     script.write_text(json.dumps([turn(call("write_file", path="model_new.py", content=CHEAT)),
                                   turn(call("verify")), turn(call("finish"))]))
     out = tmp_path / "out"
-    rc = main(["solve", str(task), "--policy", "replay", "--script", str(script), "--out", str(out),
-               "--cache-dir", str(tmp_path / "cache"), "--max-turns", "5"])
+    rc = main(["solve", str(task), "--policy.kind", "replay", "--policy.script", str(script), "--out", str(out),
+               "--sandbox.cache-dir", str(tmp_path / "cache"), "--env.max-turns", "5"])
     text = capsys.readouterr().out
     assert rc == 1, "a rule-breaking solution is not a solution"
     assert "RULE VIOLATION" in text and "write_file" in text and "best_reward=-1.0" in text
@@ -269,7 +271,7 @@ def test_profile_ncu_summary_plumbing_with_a_stand_in_ncu(tmp_path, monkeypatch)
             return f
 
     sb = sandbox.SandboxConfig(device="cuda", cache_dir=str(tmp_path / "cache"))
-    ep = env.Episode(0, TASK, EnvConfig(device="cuda", work_dir=str(tmp_path / "ws")), Pool(), sb)
+    ep = env.Episode(0, Task(code=TASK), EnvConfig(work_dir=str(tmp_path / "ws")), Pool(), sb)
     bindir = os.path.join(ep.ws, ".bin")      # inside the workspace: bash's sandbox hides the host's /tmp
     os.makedirs(bindir)
     with open(os.path.join(bindir, "ncu"), "w") as f:
@@ -281,4 +283,4 @@ def test_profile_ncu_summary_plumbing_with_a_stand_in_ncu(tmp_path, monkeypatch)
     out = ep._ncu_summary()
     assert out.startswith("ncu kernel summary") and "--print-summary per-kernel" in out and "python .ncu/run.py" in out
     assert "lib relu True" in out, out
-    assert ".ncu/relu.so" not in "".join(env.snapshot(ep.ws)), "build products stay out of snapshots"
+    assert ".ncu/relu.so" not in "".join(tools.snapshot(ep.ws)), "build products stay out of snapshots"

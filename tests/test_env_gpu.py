@@ -10,6 +10,7 @@ import pytest
 import sandbox
 from env import EnvConfig, run_episodes
 from policy import ReplayPolicy
+from tasks import Task
 
 ELEMENTWISE = '''import torch
 import torch.nn as nn
@@ -164,8 +165,8 @@ def test_gpu_replay_honest_cuda_kernels(tmp_path):
     pool = sandbox.SandboxPool(cfg, gpus=[0])
     pol = ReplayPolicy({0: _script("fused", FUSED_CU, FUSED_PY), 1: _script("linear_relu", LINEAR_CU, LINEAR_PY)})
     try:
-        tasks = [{"source": ELEMENTWISE, "name": "relu2p1"}, {"source": LINEAR, "name": "linear_relu"}]
-        trajs = run_episodes(pol, tasks, pool, EnvConfig(device="cuda", work_dir=str(tmp_path / "ws"), max_turns=10),
+        tasks = [Task(code=ELEMENTWISE, name="relu2p1"), Task(code=LINEAR, name="linear_relu")]
+        trajs = run_episodes(pol, tasks, pool, EnvConfig(work_dir=str(tmp_path / "ws"), max_turns=10),
                              log=lambda e, k, s: print(f"[{e}] {k}: {s[:400]}"))
     finally:
         pool.close()

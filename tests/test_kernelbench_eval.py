@@ -15,6 +15,10 @@ import types
 import pytest
 
 import kernelbench_eval as kb
+import sandbox
+from tasks import Task
+
+CPU = sandbox.SandboxConfig(device="cpu")
 
 FIX = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "kernelbench")
 
@@ -77,7 +81,7 @@ def samples_dir(tmp_path, names):
 def run(tmp_path, monkeypatch, pool, **kw):
     monkeypatch.setattr(kb, "make_pool", lambda cfg, scfg: pool)
     monkeypatch.setattr(kb, "sandbox_config", lambda cfg: None)
-    cfg = kb.EvalConfig(kernelbench_dir=FIX, level=[1, 2], device="cpu", out=str(tmp_path / "out"),
+    cfg = kb.EvalConfig(kernelbench_dir=FIX, level=[1, 2], sandbox=CPU, out=str(tmp_path / "out"),
                         samples_dir=samples_dir(tmp_path, FIXED), **kw)
     assert kb.main(cfg) == 0
     with open(tmp_path / "out" / "summary.json") as f:
@@ -284,7 +288,7 @@ def test_missing_sample_is_a_failure_not_a_crash(tmp_path, monkeypatch):
     fixed = {k: v for k, v in FIXED.items() if "problem_80" not in k}
     monkeypatch.setattr(kb, "make_pool", lambda cfg, scfg: FakePool(fixed))
     monkeypatch.setattr(kb, "sandbox_config", lambda cfg: None)
-    cfg = kb.EvalConfig(kernelbench_dir=FIX, level=[2], device="cpu", out=str(tmp_path / "o"),
+    cfg = kb.EvalConfig(kernelbench_dir=FIX, level=[2], sandbox=CPU, out=str(tmp_path / "o"),
                         samples_dir=samples_dir(tmp_path, fixed))
     assert kb.main(cfg) == 0
     rec = kb.read_results(str(tmp_path / "o" / "results.jsonl"))[(2, 80)]
@@ -292,16 +296,16 @@ def test_missing_sample_is_a_failure_not_a_crash(tmp_path, monkeypatch):
 
 
 def test_cli_flags():
-    from cuda_agent import parse_config
-    c = parse_config(kb.EvalConfig, ["--level", "2", "--problems", "1,5,9", "--subset", "representative",
-                                     "--no-flag-degenerate", "--gpus", "0,1", "--samples-dir", "s"])
-    assert (c.level, c.problems, c.subset, c.flag_degenerate, c.gpus, c.samples_dir, c.max_turns) == \
+    tyro = pytest.importorskip("tyro")
+    c = tyro.cli(kb.EvalConfig, args=["--level", "2", "--problems", "1", "5", "9", "--subset", "representative",
+                                      "--no-flag-degenerate", "--gpus", "0", "1", "--samples-dir", "s"])
+    assert (c.level, c.problems, c.subset, c.flag_degenerate, c.gpus, c.samples_dir, c.env.max_turns) == \
            ([2], [1, 5, 9], "representative", False, [0, 1], "s", 200)
 
 
 def test_untimed_and_mixed_precision_metrics():
     """--no-profile: speed metrics are None (unknown), not 0; mixed precisions are reported, not hidden."""
-    p = kb.Problem(1, 1, "x", "class Model: pass")
+    p = Task(code="class Model: pass", name="x", level=1, problem_id=1)
     recs = [kb.make_record(p, V(t=None, precision="fp32"), "", 1, True),
             kb.make_record(p, V(correct=False, precision="tf32"), "", 1, True)]
     m = kb.metrics(recs, 1)
@@ -317,13 +321,13 @@ def test_agent_batch_crash_is_recorded_and_retried(tmp_path, monkeypatch):
     calls = []
 
     def fake_run_episodes(policy, tasks, pool, cfg, id_offset=0):
-        calls.append([t["name"] for t in tasks])
+        calls.append([t.name for t in tasks])
         raise RuntimeError("policy server went away")
     monkeypatch.setattr(env, "run_episodes", fake_run_episodes)
     monkeypatch.setattr(kb, "_policy", lambda cfg: object())
     monkeypatch.setattr(kb, "make_pool", lambda cfg, scfg: FakePool(FIXED))
     monkeypatch.setattr(kb, "sandbox_config", lambda cfg: None)
-    cfg = kb.EvalConfig(kernelbench_dir=FIX, level=[1], device="cpu", out=str(tmp_path / "o"), batch=2)
+    cfg = kb.EvalConfig(kernelbench_dir=FIX, level=[1], sandbox=CPU, out=str(tmp_path / "o"), batch=2)
     assert kb.main(cfg) == 0
     assert len(calls) == 2 and calls[0][0].startswith("level_1_problem_1_")      # batches of 2, then 1
     s = json.load(open(tmp_path / "o" / "summary.json"))
@@ -335,7 +339,7 @@ def test_samples_only_keeps_problems_with_samples(tmp_path, monkeypatch):
     fixed = {k: v for k, v in FIXED.items() if k.startswith("level_1_problem_1_")}
     monkeypatch.setattr(kb, "make_pool", lambda cfg, scfg: FakePool(fixed))
     monkeypatch.setattr(kb, "sandbox_config", lambda cfg: None)
-    cfg = kb.EvalConfig(kernelbench_dir=FIX, level=[1, 2], device="cpu", out=str(tmp_path / "o"),
+    cfg = kb.EvalConfig(kernelbench_dir=FIX, level=[1, 2], sandbox=CPU, out=str(tmp_path / "o"),
                         samples_dir=samples_dir(tmp_path, fixed), samples_only=True)
     assert kb.main(cfg) == 0
     s = json.load(open(tmp_path / "o" / "summary.json"))
@@ -356,7 +360,7 @@ def test_baseline_bench_ratios_and_outliers(tmp_path):
 
     def rows_for(precs):
         t = {"fp32": fp32, "tf32": tf32}
-        return [bb.make_row(kb.Problem(1, i, names[i], ""),
+        return [bb.make_row(Task(code="class Model: pass", name=names[i], level=1, problem_id=i),
                             {p: {"eager_ms": t[p][i], "compile_ms": t[p][i]} for p in precs}, h, h) for i in names]
     rows = rows_for(["fp32", "tf32"])
     assert [r["like_with_like"] for r in rows] == ["fp32"] * 5 + ["tf32", "fp32"]   # conv -> tf32

@@ -10,14 +10,21 @@ import os
 
 import pytest
 
+import env
 import kernelbench_eval as kb
+import sandbox
+from policy import PolicyConfig
 
 FIX = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "kernelbench")
 
 
-def cfg_for(tmp_path, **kw):
-    base = dict(kernelbench_dir=FIX, level=[1, 2], samples_dir=os.path.join(FIX, "samples"), device="cpu",
-                out=str(tmp_path / "out"), cache_dir=str(tmp_path / "cache"))
+def cfg_for(tmp_path, profile=True, n_trials=5, max_turns=None, **kw):
+    sb = sandbox.SandboxConfig(device="cpu", cache_dir=str(tmp_path / "cache"), mem_limit_mb=65536, profile=profile,
+                               n_trials=n_trials)
+    base = dict(kernelbench_dir=FIX, level=[1, 2], samples_dir=os.path.join(FIX, "samples"), out=str(tmp_path / "out"),
+                sandbox=sb)
+    if max_turns is not None:
+        base["env"] = env.EnvConfig(max_turns=max_turns)
     return kb.EvalConfig(**{**base, **kw})
 
 
@@ -102,8 +109,8 @@ def test_agent_mode_replay_policy_real_env(tmp_path):
               {"content": "done", "tool_calls": [{"function": {"name": "finish", "arguments": {}}}]}]
     path = tmp_path / "script.json"
     path.write_text(json.dumps(script))
-    cfg = cfg_for(tmp_path, samples_dir=None, level=[1], problems=[1, 3], policy="replay", script=str(path),
-                  profile=False, max_turns=5)
+    cfg = cfg_for(tmp_path, samples_dir=None, level=[1], problems=[1, 3],
+                  policy=PolicyConfig(kind="replay", script=str(path)), profile=False, max_turns=5)
     assert kb.main(cfg) == 0
     recs = kb.read_results(str(tmp_path / "out" / "results.jsonl"))
     assert recs[(1, 1)]["correct"] is True                      # ReLU solves the ReLU problem ...

@@ -7,8 +7,9 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
-from policy import (EpisodeState, HFPolicy, OpenAIPolicy, ReplayPolicy, build_tiny_model_and_tokenizer,
-                    make_policy, parse_tool_calls, tokenize_conversation)
+from env import EpisodeState, tokenize_conversation
+from policy import (HFPolicy, OpenAIPolicy, PolicyConfig, ReplayPolicy, build_tiny_model_and_tokenizer, make_policy,
+                    parse_tool_calls)
 
 TOOLS = [{"type": "function", "function": {"name": "bash", "description": "run a command", "parameters": {
     "type": "object", "properties": {"command": {"type": "string"}, "timeout": {"type": "integer"}},
@@ -248,7 +249,7 @@ def test_replay_policy_per_episode_scripts_then_finish(tmp_path):
     p = tmp_path / "t.jsonl"
     p.write_text(json.dumps({"messages": [{"role": "user", "content": "u"},
                                           {"role": "assistant", "content": "A"}]}) + "\n")
-    assert make_policy("replay", script=str(p)).act(st[:1])[0].text == "A"
+    assert make_policy(PolicyConfig(kind="replay", script=str(p))).act(st[:1])[0].text == "A"
 
 
 def test_load_policy_model_roundtrip_with_peft_adapter(tiny, tmp_path):

@@ -1,4 +1,4 @@
-"""The pure PPO math of ppo.py against hand-computed and naive references (style principle 12).
+"""The pure PPO math of ppo.py against hand-computed and naive references.
 
 Run: python -m pytest -q tests/test_ppo.py -x
 """
@@ -231,7 +231,7 @@ def _grad_reduce_worker(rank: int, port: int, out: str, backend: str):
     a.grad = torch.full((2, 3), float(rank + 1), device=dev)   # both ranks: summed
     if rank == 0:
         b.grad = torch.arange(6.0, device=dev).view(2, 3)       # rank 0 only (an expert rank 1 never routed to)
-    ppo._all_reduce_grads([b, c, a])                            # c: no rank has a gradient
+    ppo.all_reduce_grads([b, c, a])                            # c: no rank has a gradient
     torch.save({k: None if g is None else g.cpu() for k, g in (("a", a.grad), ("b", b.grad), ("c", c.grad))},
                f"{out}.{rank}")
     dist.destroy_process_group()

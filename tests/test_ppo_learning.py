@@ -1,9 +1,9 @@
-"""Does ppo.py actually learn? A toy task with an instant verifiable reward, no sandbox (style principle 13).
+"""Does ppo.py actually learn? A toy task with an instant verifiable reward, no sandbox.
 
 A tiny random Qwen3-MoE (the real architecture, LoRA actor + critic through ppo.add_actor_critic_adapters)
 reads a random 3-token prompt and samples 4 tokens; the reward, on the last token, is the share of those 4
-tokens equal to TARGET (chance = 1/VOCAB). PPO with the critic (ppo.score_batch + ppo.ppo_update, the code
-`train` runs) must lift the mean reward from chance to near 1 within a fixed budget. The same loop with
+tokens equal to TARGET (chance = 1/VOCAB). PPO with the critic (ppo.score + ppo.compute_gae + ppo.ppo_update, the phases
+of train.ppo_iteration) must lift the mean reward from chance to near 1 within a fixed budget. The same loop with
 the policy gradient's sign flipped, or with the policy mask pointing at the prompt instead of the sampled
 tokens, must NOT learn: this proves the test can fail.
 
@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import ppo
+import train
 
 VOCAB, PROMPT, RESP, TARGET = 16, 3, 4, 7
 
@@ -56,7 +57,25 @@ def toy_cfg(**kw):
                 vf_clip=None, whiten_advantages=True, max_grad_norm=1.0, ppo_epochs=2, num_minibatches=2,
                 micro_batch_size=16, lr_actor=1e-2, lr_critic=1e-2, lr_head=3e-2)
     base.update(kw)
-    return dataclasses.replace(ppo.TrainConfig(), **base)
+    return dataclasses.replace(train.TrainConfig(), **base)
+
+
+def score(model, head, samples, cfg, device="cpu", need_logp=True):
+    """Phases 2-4 of train.ppo_iteration on toy samples: named (B, T) tensors and the critic's stats."""
+    b_ids, b_attn, b_mask, b_rewards = ppo.collate([s["input_ids"] for s in samples], [s["mask"] for s in samples],
+                                                   [s["reward"] for s in samples], 0, device)
+    b_values, b_logp, b_ref = ppo.score(model, head, b_ids, b_attn, cfg.micro_batch_size, cfg.temperature,
+                                        need_logp=need_logp, need_ref=need_logp and cfg.kl_coef > 0)
+    b_adv, b_returns = ppo.compute_gae(b_rewards, b_values, b_mask, cfg.gamma, cfg.lam)
+    stats = ppo.score_stats(b_values, b_returns, b_adv, b_mask)
+    if cfg.whiten_advantages:
+        b_adv = ppo.whiten_advantages(b_adv, b_mask)
+    return (b_ids, b_attn, b_mask, b_logp, b_values, b_adv, b_returns, b_ref), stats
+
+
+def update(model, head, opt, batch, cfg, n_global, **kw):
+    """Phase 5 of train.ppo_iteration."""
+    return ppo.ppo_update(model, head, opt, cfg, *batch, n_global=n_global, **kw)
 
 
 @torch.no_grad()
@@ -87,8 +106,8 @@ def run_toy_ppo(iters=40, batch=32, broken=None, seed=0, device="cpu"):
         if broken == "mask":  # the classic bug: train on tokens the policy did not choose
             mask = [1] * PROMPT + [0] * RESP
         samples = [{"input_ids": ids[i].tolist(), "mask": mask, "reward": reward[i].item()} for i in range(batch)]
-        ppo.score_batch(model, head, samples, cfg, pad_id=0, device=device)
-        ppo.ppo_update(model, head, opt, samples, cfg, pad_id=0, device=device, n_global=batch)
+        b, _ = score(model, head, samples, cfg, device)
+        update(model, head, opt, b, cfg, n_global=batch)
     return curve
 
 
@@ -139,13 +158,13 @@ def test_value_pretraining_raises_explained_variance():
         r = [(1.0 if TARGET in row[:PROMPT].tolist() else -1.0) for row in ids]
         return [{"input_ids": ids[i].tolist(), "mask": [0] * PROMPT + [1] * RESP, "reward": r[i]} for i in range(n)]
 
-    train, held = make(64), make(32)
-    before = ppo.score_batch(model, head, held, cfg, 0, "cpu", need_logp=False)["explained_variance"]
+    train_set, held = make(64), make(32)
+    before = score(model, head, held, cfg, need_logp=False)[1]["explained_variance"]
     actor_before = [p.clone() for p in ppo.adapter_params(model, "actor")]
     for _ in range(30):
-        ppo.score_batch(model, head, train, cfg, 0, "cpu", need_logp=False)
-        ppo.ppo_update(model, head, opt, train, cfg, 0, "cpu", n_global=len(train), train_actor=False)
-    after = ppo.score_batch(model, head, held, cfg, 0, "cpu", need_logp=False)["explained_variance"]
+        b, _ = score(model, head, train_set, cfg, need_logp=False)
+        update(model, head, opt, b, cfg, n_global=len(train_set), train_actor=False)
+    after = score(model, head, held, cfg, need_logp=False)[1]["explained_variance"]
     print(f"value pretraining: held-out explained variance {before:.3f} -> {after:.3f}")
     assert after > 0.3, f"explained variance after value pretraining {after:.3f} <= 0.3 (before {before:.3f})"
     assert all(torch.equal(a, b) for a, b in zip(actor_before, ppo.adapter_params(model, "actor"))), \
@@ -171,8 +190,8 @@ def test_one_base_two_adapters_and_reference():
     with torch.no_grad():
         ref0 = ppo.actor_logprobs(model, ids, attn, adapter=None)[0]
         v0 = ppo.critic_values(model, head, ids, attn)
-    ppo.score_batch(model, head, samples, cfg, 0, "cpu")
-    st = ppo.ppo_update(model, head, opt, samples, cfg, 0, "cpu", n_global=8, train_critic=False)
+    b, _ = score(model, head, samples, cfg)
+    st = update(model, head, opt, b, cfg, n_global=8, train_critic=False)
     assert st["kl_ref"] >= 0.0 and "v_loss" not in st
     with torch.no_grad():
         ref1 = ppo.actor_logprobs(model, ids, attn, adapter=None)[0]

@@ -1,5 +1,5 @@
-"""ppo.train end to end on the tiny model, the real env and the CPU sandbox: SIGKILL mid-stage, --resume,
-and no finished step is lost (style principle 10). Also: the run directory holds what the issue promises.
+"""train.train end to end on the tiny model, the real env and the CPU sandbox: SIGKILL mid-stage, --resume,
+and no finished step is lost Also: the run directory holds every promised file.
 
 Run: python -m pytest -q tests/test_ppo_train.py -x   (about 2-4 minutes on the 2-core box; marked slow)
 """
@@ -16,22 +16,26 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # the smallest config that still runs every stage for real (demos give RFT something with reward > 0)
 SMALL = dict(warmup_steps=2, batch_size=2, micro_batch_size=2, demo_fraction=0.5, max_new_tokens=12,
-             max_turns=3, rft_rollouts=2, rft_steps=2, rft_batch_size=2, value_pretrain_steps=3, agent_steps=1,
+             env=dict(max_turns=3), rft_rollouts=2, rft_steps=2, rft_batch_size=2, value_pretrain_steps=3,
+             agent_steps=1,
              ppo_epochs=1, num_minibatches=1)
 
 SCRIPT = """
 import dataclasses, json, sys
 sys.path.insert(0, {root!r})
-import ppo
-cfg = dataclasses.replace(ppo.PRESETS["tiny"], **json.loads(sys.argv[1]))
-sys.exit(ppo.train(cfg))
+import train
+kw = json.loads(sys.argv[1])
+base = train.PRESETS["tiny"]
+env = dataclasses.replace(base.env, **kw.pop("env", dict()))
+cfg = dataclasses.replace(base, env=env, **kw)
+sys.exit(train.train(cfg))
 """
 
 
 def _launch(run_dir, resume=False):
     kw = dict(SMALL, run_dir=str(run_dir), resume=resume)
     return subprocess.Popen([sys.executable, "-u", "-c", SCRIPT.format(root=ROOT), json.dumps(kw)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, process_group=0)
 
 
 def _ckpt_position(run_dir):
@@ -90,7 +94,7 @@ def test_kill_mid_stage_then_resume_loses_no_step(tmp_path):
 @pytest.mark.slow
 def test_two_process_data_parallel_run(tmp_path):
     """torchrun with 2 CPU processes (gloo): what `accelerate launch` does on GPUs. Each rank must report its
-    own rank, every stage must finish, and ppo._checkpoint's per-step checksum must find the ranks in sync
+    own rank, every stage must finish, and train.checkpoint's per-step checksum must find the ranks in sync
     (it raises otherwise). This caught both ranks believing they were rank 0 and racing on checkpoint.pt."""
     # one demonstration per global batch (25% of 4): it lands on rank 0 only, so the RFT filter keeps
     # trajectories on one rank and none on the other, and SFT must still run on both in step

@@ -14,6 +14,7 @@ import threading
 
 import pytest
 
+import reward
 import sandbox
 from sandbox import SandboxConfig, TaskError, check, compare, load_task, static_scan
 
@@ -34,6 +35,11 @@ SOFTMAX_TASK = textwrap.dedent("""
         return []
 """)
 HONEST = "return torch.from_numpy(np.maximum(x.numpy(), 0))"
+
+
+def reward_of(v) -> float:
+    """Eq. 1 of a verdict: reward.py is the one place a verdict becomes a reward."""
+    return reward.reward_from_verdict(v.to_dict())
 
 
 STANDIN_IMPORTS = "numpy,sys,threading,time"
@@ -76,8 +82,9 @@ def dynamic_only(cfg):
 def test_honest_workspace_openmp_reward(pcfg):
     v = run(RELU_WS, pcfg)
     assert v.compiled and v.correct and v.violation is None and v.error is None, v.to_dict()
-    assert v.reward >= 1 and v.stage == "done" and v.precision == "fp32" and v.device == "cpu"
-    assert v.candidate_ms > 0 and v.eager_ms > 0 and len(v.trials) == pcfg.n_trials + 1
+    assert reward_of(v) >= 1 and v.stage == "done" and v.precision == "fp32" and v.device == "cpu"
+    assert v.candidate_ms > 0 and v.eager_ms > 0 and len(v.trials) == pcfg.n_trials
+    assert v.timings["checked_calls"] == pcfg.warmup + pcfg.iters, "every timed call is checked"
     assert v.timings["isolation"] in ("bwrap", "unshare", "rlimits")
     d = v.to_dict()
     for k in ("compiled", "correct", "violation", "error", "eager_ms", "compile_ms", "candidate_ms",
@@ -87,7 +94,7 @@ def test_honest_workspace_openmp_reward(pcfg):
 
 def test_honest_form_a_numpy(cfg):
     v = run(sol(), cfg)
-    assert v.correct and v.reward == 1.0, v.to_dict()
+    assert v.correct and reward_of(v) == 1.0, v.to_dict()
 
 
 def test_honest_thread_joined_before_return(cfg):  # twin of the thread hacks
@@ -164,11 +171,11 @@ def test_static_scan_unit():
 
 def test_static_layer_rejects_torch_fallback(cfg):
     v = run(sol("try:\n    raise RuntimeError('kernel failed')\nexcept RuntimeError:\n    return torch.relu(x)"), cfg)
-    assert not v.correct and v.violation and "static scan" in v.violation and v.reward == -1
+    assert not v.correct and v.violation and "static scan" in v.violation and reward_of(v) == -1
 
 
-def test_dispatch_guard_catches_hidden_torch_call(cfg):  # invisible to the static scan
-    v = run(sol("return vars(torch)['re' + 'lu'](x)"), cfg)
+def test_dispatch_guard_catches_hidden_torch_call(cfg):  # the static scan refuses vars(); the guard alone:
+    v = run(sol("return vars(torch)['re' + 'lu'](x)"), dynamic_only(cfg))
     assert v.violation and "dispatch guard" in v.violation and "relu" in v.violation, v.to_dict()
 
 
@@ -218,14 +225,15 @@ def test_stale_output_cache(cfg):  # returns the first output it ever computed
     assert not v.correct and v.error and "incorrect on trial" in v.error, v.to_dict()
 
 
-def test_pointer_keyed_cache_fails_post_timing_check(pcfg):
+def test_pointer_keyed_cache_fails(pcfg):
+    """Freed inputs are reallocated at the same address, so a cache keyed on the pointer answers a new input
+    with an old output: caught on a trial or on a timed call (every call has fresh inputs and is checked)."""
     v = run(sol("""
         k = x.data_ptr()
         if k not in self.c:
             self.c[k] = torch.from_numpy(np.maximum(x.numpy(), 0))
         return self.c[k]""", init="self.c = {}"), pcfg)
-    assert all(t["ok"] for t in v.trials[:-1]), "trials pass: every trial input is a new tensor"
-    assert not v.correct and "post-timing" in v.error, v.to_dict()
+    assert not v.correct and ("incorrect on trial" in v.error or "timed call" in v.error), v.to_dict()
 
 
 def test_degenerate_softmax_fails(cfg):
@@ -294,7 +302,9 @@ SLOW = "time.sleep(0.01)\n" + HONEST
 
 
 def test_patched_time_module_changes_nothing(pcfg):
-    v = run(sol(SLOW, head="time.perf_counter = lambda: 0.0\ntime.perf_counter_ns = lambda: 0"), pcfg)
+    head = "time.perf_counter = lambda: 0.0\ntime.perf_counter_ns = lambda: 0"
+    assert "patches a library" in run(sol(SLOW, head=head), pcfg).violation  # the static layer refuses it
+    v = run(sol(SLOW, head=head), dynamic_only(pcfg))  # and the dynamic layers change nothing
     assert v.correct and v.violation is None and v.candidate_ms >= 9.0, v.to_dict()
 
 
@@ -327,7 +337,7 @@ def test_clock_overwritten_in_memory_caught_by_host_wall_clock(pcfg):
 def test_fake_verdict_on_stdout_and_result_fd(cfg):
     fake = '{"compiled": true, "correct": true, "violation": null, "error": null, "reward": 3.0}'
     v = run(sol("print(%r, flush=True)\nreturn torch.from_numpy(np.zeros(tuple(x.shape), np.float32))" % fake), dynamic_only(cfg))
-    assert not v.correct and v.reward == -1, v.to_dict()
+    assert not v.correct and reward_of(v) == -1, v.to_dict()
     head = "import json\nj = json.load(open('job.json'))\nos.write(j['result_fd'], b'X' * 64)\n"
     v = run(sol(head=head), dynamic_only(cfg))
     assert not v.correct and v.error and "bad frame" in v.error, v.to_dict()
@@ -383,9 +393,9 @@ def test_network_is_unreachable(cfg):
 def test_process_deaths_become_verdicts(cfg, body, why):
     import dataclasses
     c = dataclasses.replace(cfg, run_timeout_s=20 if why == "timed out" else 120, compile_timeout_s=1,
-                            mem_limit_mb=1024)
+                            mem_limit_mb=1024, static_scan=False)  # raw ctypes reads are refused statically
     v = run(sol(body), c)
-    assert not v.correct and v.reward == -1 and any(w in (v.error or "").lower() for w in why.lower().split("|")), \
+    assert not v.correct and reward_of(v) == -1 and any(w in (v.error or "").lower() for w in why.lower().split("|")), \
         v.to_dict()
 
 
@@ -420,7 +430,7 @@ def test_compile_error_is_a_verdict(cfg, tmp_path):
     shutil.copytree(RELU_WS, ws)
     (ws / "kernels" / "relu.cpp").write_text('extern "C" void relu_forward( { oops }\n')
     v = run(str(ws), cfg)
-    assert not v.compiled and v.stage == "compile" and "error" in v.compile_log and v.reward == -1
+    assert not v.compiled and v.stage == "compile" and "error" in v.compile_log and reward_of(v) == -1
 
 
 def test_cache_dir_follows_env(monkeypatch, tmp_path):

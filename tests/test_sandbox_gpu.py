@@ -9,6 +9,7 @@ import textwrap
 
 import pytest
 
+import reward
 from sandbox import SandboxConfig, check
 
 pytestmark = pytest.mark.gpu
@@ -75,6 +76,11 @@ RUN = "lib.run(ptr(xs[0]), ptr(y), xs[0].numel(), stream())"
 MM = "lib.mm(ptr(xs[0]), ptr(xs[1]), ptr(y), xs[0].shape[0], stream())"
 
 
+def reward_of(v) -> float:
+    """Eq. 1 of a verdict: reward.py is the one place a verdict becomes a reward."""
+    return reward.reward_from_verdict(v.to_dict())
+
+
 @pytest.fixture(scope="module")
 def cfg(tmp_path_factory):
     return SandboxConfig(device="cuda", cache_dir=str(tmp_path_factory.mktemp("cache")), warmup=3, iters=20)
@@ -91,8 +97,9 @@ def ws(tmp_path, body=HONEST, call=RUN, head="", acc="float", cast="", name="ws"
 
 def test_honest_cuda_workspace(cfg, tmp_path):
     v = check(RELU_TASK, ws(tmp_path), cfg)
-    assert v.compiled and v.correct and v.reward >= 1 and v.stage == "done", v.to_dict()
+    assert v.compiled and v.correct and reward_of(v) >= 1 and v.stage == "done", v.to_dict()
     assert v.precision == "tf32" and "H" in v.device and v.candidate_ms > 0 and v.compile_ms
+    assert v.timings["checked_calls"] == cfg.warmup + cfg.iters, "every timed call is checked"
     print("honest relu:", {k: v.to_dict()[k] for k in ("eager_ms", "compile_ms", "candidate_ms", "device")})
 
 
@@ -111,13 +118,13 @@ def test_side_stream_work_is_timed(cfg, tmp_path):
 
 def test_uninitialised_output_sakana(cfg, tmp_path):
     v = check(RELU_TASK, ws(tmp_path, body="/* computes nothing */"), cfg)
-    assert not v.correct and v.reward == -1, v.to_dict()
+    assert not v.correct and reward_of(v) == -1, v.to_dict()
 
 
 def test_failing_launch_leaves_garbage(cfg, tmp_path):
     bad = "relu_k<<<(n + 2047) / 2048, 2048, 0, st>>>(x, y, n);  // 2048 threads/block: launch fails"
     v = check(RELU_TASK, ws(tmp_path, bad), cfg)
-    assert not v.correct and v.reward == -1, v.to_dict()
+    assert not v.correct and reward_of(v) == -1, v.to_dict()
 
 
 def test_precision_downgrade_fp16(cfg, tmp_path):
@@ -135,7 +142,8 @@ def test_patched_cuda_timers(cfg, tmp_path):
             "torch.cuda.Event = _E\n")
     body = SPIN.replace("S", "st") + HONEST
     twin = check(RELU_TASK, ws(tmp_path, body, name="twin"), cfg)
-    v = check(RELU_TASK, ws(tmp_path, body, head=head), cfg)
+    assert check(RELU_TASK, ws(tmp_path, body, head=head, name="scanned"), cfg).violation  # the static layer
+    v = check(RELU_TASK, ws(tmp_path, body, head=head), dataclasses.replace(cfg, static_scan=False))
     assert v.correct and v.violation is None and v.candidate_ms > 0.8 * twin.candidate_ms, (twin.to_dict(), v.to_dict())
 
 
@@ -147,3 +155,22 @@ def test_illegal_address_and_gpu_oom(cfg, tmp_path):
                                             + RUN, name="oom"), cfg)  # 1 TiB
     assert not v.correct and "memory" in v.error.lower(), v.to_dict()
     assert check(RELU_TASK, ws(tmp_path, name="after"), cfg).correct  # the caller is unaffected
+
+
+COUNTED = "\n        ".join([
+    "_n[0] += 1",
+    "if _n[0] <= 6 or _last[0] is None:  # the trials and the op listing: compute",
+    "    " + RUN,
+    "    _last[0] = y",
+    "else:  # every other call: the last answer, no launch",
+    "    y = _last[0]"])
+
+
+def test_computing_only_on_counted_calls(cfg, tmp_path):
+    """A real kernel that runs only on the calls an older protocol compared, and returns its last output on
+    every other call: every timed call is now checked on fresh inputs, so it is caught."""
+    twin = check(RELU_TASK, ws(tmp_path, call=COUNTED.replace("_n[0] <= 6", "True"), head="_n, _last = [0], [None]",
+                                name="twin"), cfg)
+    assert twin.correct, twin.to_dict()
+    v = check(RELU_TASK, ws(tmp_path, call=COUNTED, head="_n, _last = [0], [None]"), cfg)
+    assert not v.correct and "timed call" in (v.error or ""), v.to_dict()

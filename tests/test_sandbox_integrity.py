@@ -1,0 +1,221 @@
+"""Integrity attacks on the sandbox's check protocol, one property each, next to honest controls.
+
+A policy rewarded for speed looks for calls that are not checked: it counts calls, recognises inputs it
+has seen, reads seeds from files or the worker's frames, precomputes in `__init__`, floods the result
+channel, or profits from a baseline timed on a loaded machine. Each test below is such an attack; each
+asserts that the attack gains nothing. Candidates are form (a) files whose "kernel" is numpy (a stand-in
+that the dispatch guard allows), so the tests run on the cpu backend in seconds.
+Run: python -m pytest tests/test_sandbox_integrity.py -q
+"""
+import json
+import os
+import textwrap
+
+import pytest
+
+import reward
+import sandbox
+from sandbox import SandboxConfig, check, static_scan
+
+FIX = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "sandbox")
+RELU_TASK = os.path.join(FIX, "relu_task.py")
+WORK = "time.sleep(0.02)\ny = torch.from_numpy(np.maximum(x.numpy(), 0))"  # an honest 20 ms "kernel"
+
+
+def reward_of(v) -> float:
+    """Eq. 1 of a verdict: reward.py is the one place a verdict becomes a reward."""
+    return reward.reward_from_verdict(v.to_dict())
+
+
+def sol(body: str, head: str = "", init: str = "pass") -> str:
+    """A form (a) solution; `head` runs at import, `init` in __init__, `body` is forward's body (returns y)."""
+    return (f"import ctypes, json, os, sys, threading, time\nimport numpy as np\nimport torch\nimport torch.nn as nn\n"
+            f"{textwrap.dedent(head)}\n"
+            f"class ModelNew(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+            + textwrap.indent(textwrap.dedent(init), " " * 8) + "\n"
+            f"    def forward(self, x):\n" + textwrap.indent(textwrap.dedent(body) + "\nreturn y", " " * 8))
+
+
+@pytest.fixture(scope="module")
+def cfg(tmp_path_factory):
+    return SandboxConfig(cache_dir=str(tmp_path_factory.mktemp("integrity_cache")), warmup=2, iters=10,
+                         run_timeout_s=120, profile=True, allow_imports="numpy,sys,threading,time,json",
+                         static_scan=False)  # the attacks below must be caught by the protocol itself
+
+
+@pytest.fixture(scope="module")
+def honest(cfg):
+    v = check(RELU_TASK, sol(WORK), cfg)
+    assert v.correct and v.candidate_ms >= 15, v.to_dict()
+    return v
+
+
+# ----------------------------------------------------------------------------- A. timed calls are checked calls
+def test_honest_control_every_timed_call_checked(honest, cfg):
+    assert honest.timings["checked_calls"] == cfg.warmup + cfg.iters
+    assert len(honest.trials) == cfg.n_trials and all(t["ok"] for t in honest.trials)
+
+
+COUNTER = """
+self.n += 1
+if self.n <= 6 or self.n == 6 + {timed} or self.last is None:  # 5 trials, the op listing, the last timed call
+    {work}
+    self.last = y
+else:                                   # a call an older protocol never compared: the last answer, at once
+    y = self.last
+"""
+
+
+def test_computing_only_on_counted_calls_is_caught(cfg):
+    """An older protocol made 5 + 1 + warmup + iters calls and compared 7 of them (the trials, the op
+    listing, the last timed call); a candidate that computed on those alone timed at ~0 ms."""
+    body = COUNTER.format(timed=cfg.warmup + cfg.iters, work=WORK.replace("\n", "\n    "))
+    v = check(RELU_TASK, sol(body, init="self.n, self.last = 0, None"), cfg)
+    assert not v.correct and "timed call" in (v.error or ""), v.to_dict()
+
+
+PROPORTIONAL = """
+y = None
+flat = x.numpy().reshape(-1)
+for xs, ys in self.seen:                # an input proportional to one seen before: scale the old answer
+    r = flat[7] / xs[7] if xs[7] != 0 else 0.0
+    if r > 0 and np.allclose(flat[:64], r * xs[:64], rtol=1e-5, atol=1e-9):
+        y = torch.from_numpy(ys * np.float32(r))
+        break
+if y is None:
+    {work}
+    self.seen.append((flat.copy(), y.numpy().copy()))
+"""
+
+
+def test_recognising_inputs_gains_no_speed(honest, cfg):
+    """Old protocol: timed inputs were 3 stored variants times a scalar, so "proportional to something seen"
+    marked an uncompared call. Now every call draws fresh inputs: the shortcut never fires."""
+    v = check(RELU_TASK, sol(PROPORTIONAL.format(work=WORK.replace("\n", "\n    ")), init="self.seen = []"), cfg)
+    assert v.correct, v.to_dict()
+    assert v.candidate_ms > 0.7 * honest.candidate_ms, (v.candidate_ms, honest.candidate_ms)
+
+
+PLAN_KEYS = ("seeds", "seed", "timing_seed", "final_seed", "warmup", "iters", "profile", "nonce", "plan")
+READ_PLAN = """
+job = json.load(open("job.json"))
+leak = sorted(k for k in job if k in {keys}) + sorted(k for k in os.environ if "SEED" in k.upper())
+if leak:
+    raise RuntimeError("the check's plan is readable: " + ",".join(leak))
+"""
+
+
+def test_job_file_and_environment_hold_no_seed_count_or_plan(cfg):
+    v = check(RELU_TASK, sol(WORK, init=READ_PLAN.format(keys=PLAN_KEYS)), cfg)
+    assert v.correct and v.error is None, v.to_dict()
+
+
+FRAME_WALK = """
+leak = []
+for f in sys._current_frames().values():
+    while f is not None:
+        for k, val in list(f.f_locals.items()):
+            if isinstance(val, dict):
+                leak += [key for key in val if key in {keys}]
+            if k in {keys}:
+                leak.append(k)
+        f = f.f_back
+if leak:
+    raise RuntimeError("found in the worker's frames: " + ",".join(sorted(set(leak))))
+"""
+
+
+def test_walking_the_workers_frames_finds_no_future_seed(cfg):
+    """With the static scan off, a forward that walks every frame finds only the call it is in."""
+    keys = tuple(k for k in PLAN_KEYS if k != "seed")  # the current request carries its own seed, nothing more
+    v = check(RELU_TASK, sol(FRAME_WALK.format(keys=keys) + WORK), cfg)
+    assert v.correct and v.error is None, v.to_dict()
+
+
+@pytest.mark.parametrize("snippet", [
+    "try:\n    1 / 0\nexcept Exception as e:\n    f = e.__traceback__.tb_frame.f_back",
+    "f = sys._current_frames()",
+    "g = load.__globals__",
+    "import gc\nobjs = gc.get_objects()",
+    "v = f.f_locals",
+    "p = ctypes.pythonapi",
+    "x = ctypes.string_at(123, 8)",
+    "torch.relu = lambda t: t",
+    "setattr(torch, 'relu', None)",
+    "import sandbox_worker\nk = sandbox_worker._KERNELS",
+])
+def test_static_scan_refuses_introspection_and_patching(snippet):
+    src = sol(WORK, head=snippet)
+    assert static_scan(src, ("numpy", "sys", "threading", "time", "json", "gc")), snippet
+
+
+# ----------------------------------------------------------------------------- import and __init__ are guarded
+def test_compute_in_init_is_refused_statically_and_dynamically(cfg):
+    pre = "self.c = torch.relu(torch.randn(64, 64))"
+    assert "__init__" in (static_scan(sol(WORK, init=pre), ("numpy", "sys", "threading", "time", "json")) or "")
+    assert static_scan(sol(WORK, head="C = torch.matmul(torch.randn(8, 8), torch.randn(8, 8))"), ("numpy",))
+    v = check(RELU_TASK, sol(WORK, init=pre), cfg)  # static scan off: the init guard alone
+    assert v.violation and "constructing ModelNew" in v.violation, v.to_dict()
+
+
+HONEST_INIT = """
+self.lin = nn.Linear(16, 16)
+self.conv = nn.Conv2d(3, 8, 3)
+self.norm = nn.LayerNorm(16)
+self.bn = nn.BatchNorm2d(8)
+self.emb = nn.Embedding(10, 4, padding_idx=0)
+self.attn = nn.MultiheadAttention(16, 2)
+self.rnn = nn.LSTM(8, 8)
+self.scale = nn.Parameter(torch.randn(16) * 0.02)
+self.register_buffer("mask", torch.tril(torch.ones(8, 8)).view(1, 1, 8, 8))
+"""
+
+
+def test_honest_init_building_layers_passes(cfg):
+    src = sol(WORK, init=HONEST_INIT)
+    assert static_scan(src, ("numpy", "sys", "threading", "time", "json")) is None
+    v = check(RELU_TASK, src, cfg)
+    assert v.correct and v.violation is None, v.to_dict()
+
+
+# ----------------------------------------------------------------------------- C. the host's memory
+def test_an_oversized_output_is_refused_at_the_frame(cfg):
+    """The reference output is 64 KB; a 400 MB reply is refused from its header, before the host reads it."""
+    v = check(RELU_TASK, sol("y = torch.from_numpy(np.zeros(100_000_000, np.float32))"), cfg)
+    assert not v.correct and "limit" in (v.error or ""), v.to_dict()
+
+
+# ----------------------------------------------------------------------------- C. baselines
+def test_an_inflated_cached_baseline_is_retimed_before_a_speedup_tier(cfg, honest):
+    """A baseline timed once on a loaded machine made an honest kernel look 20x faster. Before a speedup tier
+    is awarded on a single-run baseline, the sandbox times it again and keeps the minimum."""
+    path = os.path.join(cfg.cache_dir, "baselines.json")
+    with open(path) as f:
+        data = json.load(f)
+    (key, entry), = [(k, e) for k, e in data.items()]
+    true_eager = entry["eager_ms"]
+    fake = 5 * honest.candidate_ms  # so that the honest 20 ms kernel would look 5x faster than eager
+    data[key] = {**entry, "eager_ms": fake, "eager_rounds": [fake] * len(entry.get("eager_rounds", [1])), "runs": 1}
+    with open(path, "w") as f:
+        json.dump(data, f)
+    sandbox._REF_POOLS.clear()
+    v = check(RELU_TASK, sol(WORK), cfg)
+    assert v.correct and v.timings.get("baseline_retimed"), v.to_dict()
+    assert v.eager_ms < 10 * true_eager, (v.eager_ms, true_eager)
+    assert "round medians over 2 run(s)" in v.timings["baseline"]
+    assert reward_of(v) == 1.0, "correct, but not faster than the re-timed eager baseline"
+
+
+# ----------------------------------------------------------------------------- C. no state survives a check
+STASH = "os.path.join(os.environ.get('TORCH_EXTENSIONS_DIR', '.'), 'stash')"
+
+
+def test_a_stash_in_the_build_dir_does_not_survive_into_the_next_check(cfg):
+    """Form (a)'s load_inline build dir is kept across checks of one source. A checked run that could write
+    there could keep answers for the next check's inputs; it only ever writes into a private copy."""
+    src = sol(WORK + f"\nopen({STASH}, 'w').write('answers')",
+              init=f"if os.path.exists({STASH}):\n    raise RuntimeError('a stash survived')")
+    first = check(RELU_TASK, src, cfg)
+    assert first.correct, first.to_dict()
+    second = check(RELU_TASK, src, cfg)
+    assert second.correct and second.error is None, second.to_dict()

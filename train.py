@@ -1,0 +1,560 @@
+"""RL training (paper §3.3, §4.1): the four stages in order, each resumable from run_dir/checkpoint.pt.
+
+  1) single-turn PPO warm-up;  2) agent trajectories + `rft_filter` + SFT on the action tokens (RFT);
+  3) value pretraining (critic fitted on the stage-2 trajectories, actor frozen);  4) agentic PPO.
+Stages 1, 3 and 4 run `ppo_iteration`: rollout -> reward (reward.py, Eq. 1) -> score -> GAE -> PPO update ->
+log. Rollouts are real: env.run_episodes with policy.HFPolicy over the actor, verdicts from the sandbox pool.
+The math and the models are in ppo.py; checkpoints and logs in runlog.py.
+
+Ablations (one flag each; the default is the paper's recipe): --rft-steps 0, --value-pretrain-steps 0,
+--env.reward speedup, --env.max-turns 1 (stages 2 and 4 single-turn), --kl-coef, --lora-rank, --lora-targets.
+
+Departures from the paper
+  1. LoRA (rank 16 in the paper preset, both adapters on one frozen base) and hence our own learning rates,
+     ~10x the paper's full fine-tuning 3e-6 / 6e-6, keeping its 1:2 actor:critic ratio.
+  2. The paper's Seed1.6 is not public: `--preset paper` uses Qwen/Qwen3-Coder-30B-A3B-Instruct, an open
+     MoE of the same family (3B active of 30B, agentic coding, 256k context).
+  3. The tiny preset (default) is a random ~0.4M-parameter Qwen3-MoE that never writes a correct kernel, so
+     it mixes shipped demonstrations (data/demos, `--demo-fraction`) into stage-1/2 batches, replayed
+     through the same env and flagged `source: demo`. The paper preset has no demos.
+  4. Not stated in the paper, so ours: stage lengths of stages 1-3, fresh AdamW per stage, one context
+     budget (--env.max-context-tokens) for both modes; stage-3 targets are GAE returns from the current critic.
+  5. Multi-GPU: `accelerate launch` runs one process per training GPU (data parallel over trajectories);
+     the sandbox gets its own GPUs (--sandbox-gpus).
+
+Smoke: python cuda_agent.py train                  (tiny preset, CPU, offline)
+Full:  accelerate launch --num_processes 6 cuda_agent.py train --preset paper --sandbox-gpus 6,7
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+
+import env
+import policy
+import ppo
+import reward
+import runlog
+import sandbox
+import tasks as tasks_mod
+from runlog import STAGES
+
+
+@dataclass
+class TrainConfig:
+    preset: str = "tiny"
+    """preset the other defaults came from: tiny (CPU, offline, minutes) | paper (the paper's recipe, GPU node)"""
+    run_dir: str = "runs/tiny"
+    """run directory: checkpoints, metrics.jsonl, rollouts/*.jsonl, curves.png"""
+    resume: bool = False
+    """pick up the last checkpoint in run_dir (stage and step included)"""
+    seed: int = 0
+    """the one seed (python, numpy, torch, sampling)"""
+    model: str = "tiny"
+    """tiny = random tiny Qwen3-MoE + local tokenizer (offline); else a HF hub id or local path"""
+    tasks: str = "data/tasks_tiny.jsonl"
+    """training tasks, anything tasks.load_tasks accepts (synth JSONL, Ops-6K parquet, HF id)"""
+    demos: str | None = "data/demos"
+    """demo solutions (dir of <task hash>/<backend>/) mixed into stage 1/2 rollouts; none = off"""
+    demo_fraction: float = 0.25
+    """share of each stage-1 and stage-2 rollout batch filled with demonstration trajectories"""
+    device: str = "auto"
+    """training device: auto | cpu | cuda (with accelerate launch: the local rank's GPU)"""
+    cpu_threads: int = 1
+    """torch CPU threads; 1 avoids OpenMP oversubscription next to sandbox jobs"""
+    sandbox_gpus: list[int] = field(default_factory=list)
+    """GPU ids set aside for the sandbox pool (never used for training)"""
+    sandbox_cpu_slots: int = 2
+    """concurrent verify/profile jobs when sandbox_device is cpu (timing is noisier above 1)"""
+    sandbox_prewarm: int = 8
+    """cuda sandbox: before stage 1, compile the torch.compile baselines of uncached tasks this many at a time
+    (sandbox.prewarm), instead of one at a time inside timed checks; 0 = off"""
+    bf16: bool = False
+    """bf16 weights and activations (GPU)"""
+    grad_checkpointing: bool = False
+    """gradient checkpointing of the base model (GPU, long contexts)"""
+    max_new_tokens: int = 64
+    """tokens sampled per assistant turn"""
+    temperature: float = 1.0
+    """sampling temperature (log-probs in the loss use the same temperature)"""
+    rollout_engine: bool = True
+    """sample rollouts with generate.Engine (per-episode KV cache reused across turns); off: the plain
+    model.generate loop that re-encodes each conversation every turn"""
+    lora_rank: int = 8
+    """LoRA rank of both adapters"""
+    lora_alpha: float = 16.0
+    """LoRA alpha (scale = alpha / rank)"""
+    lora_targets: str = "attention,experts"
+    """comma-separated subset of attention | experts (fused 3-D MoE params) | mlp (dense MLP)"""
+    lr_actor: float = 2e-3
+    """actor LoRA learning rate (paper full fine-tuning: 3e-6; LoRA needs ~10x more)"""
+    lr_critic: float = 4e-3
+    """critic LoRA learning rate (paper full fine-tuning: 6e-6; we keep the paper's 2:1 critic:actor ratio)"""
+    lr_head: float = 1e-2
+    """learning rate of the freshly initialised scalar value head"""
+    batch_size: int = 4
+    """trajectories per PPO step, summed over ranks (paper: 1024)"""
+    micro_batch_size: int = 2
+    """trajectories per forward/backward (gradient accumulation; the loss is invariant to it)"""
+    ppo_epochs: int = 2
+    """passes over each batch (paper: "one update per batch" -> 1)"""
+    num_minibatches: int = 2
+    """optimizer steps per epoch (paper: 1)"""
+    eps_low: float = 0.2
+    """lower clip range of the ratio (Eq. 5)"""
+    eps_high: float = 0.28
+    """upper clip range of the ratio, clip-higher (Eq. 5)"""
+    gamma: float = 1.0
+    """GAE discount (paper: 1)"""
+    lam: float = 0.95
+    """GAE lambda (paper: 0.95)"""
+    kl_coef: float = 0.0
+    """KL(pi || base) penalty coefficient, k3 estimator (paper: not stated; 0 = off)"""
+    entropy_coef: float = 0.0
+    """entropy bonus (paper: not stated; 0 = off)"""
+    vf_clip: float | None = None
+    """value-loss clip range around the old values (none = unclipped)"""
+    whiten_advantages: bool = True
+    """whiten advantages over the batch (paper: not stated)"""
+    max_grad_norm: float = 1.0
+    """gradient-norm clip per optimizer"""
+    warmup_steps: int = 2
+    """stage 1: single-turn PPO warm-up steps"""
+    rft_rollouts: int = 4
+    """stage 2: agent trajectories collected with the warm-up policy (before filtering)"""
+    rft_steps: int = 4
+    """stage 2: SFT steps on the filtered trajectories; 0 = no RFT (ablation)"""
+    rft_batch_size: int = 2
+    """stage 2: trajectories per SFT step"""
+    value_pretrain_steps: int = 4
+    """stage 3: critic-only steps on the stage-2 trajectories; 0 = no value pretraining (ablation)"""
+    value_heldout: float = 0.25
+    """stage 3: share of the stage-2 trajectories held out to report explained variance"""
+    agent_steps: int = 2
+    """stage 4: agentic PPO steps (paper: 150)"""
+    checkpoint_every: int = 1
+    """write a checkpoint every N steps (and at the end of each stage)"""
+    sample_every: int = 1
+    """print one decoded sample trajectory every N steps"""
+    tensorboard: bool = False
+    """also log to TensorBoard (run_dir/tb)"""
+    env: env.EnvConfig = field(default_factory=lambda: env.EnvConfig(max_turns=4, max_context_tokens=4096,
+                                                                     tool_workers=4))
+    """the agent environment of stages 1, 2 and 4: --env.max-turns 1 = no agent loop (single-turn ablation),
+    --env.reward speedup (ablation), --env.max-context-tokens (paper: 32k single-turn, 128k agentic)"""
+    sandbox: sandbox.SandboxConfig = field(default_factory=sandbox.SandboxConfig)
+    """the sandbox that compiles, verifies and times candidates: --sandbox.device cpu | cuda (its seed is --seed)"""
+
+
+# The paper's recipe (§4.1) where it states one; ours (marked) where it does not.
+PRESETS = {
+    "tiny": TrainConfig(),
+    "paper": TrainConfig(
+        preset="paper", run_dir="runs/paper", model="Qwen/Qwen3-Coder-30B-A3B-Instruct",
+        tasks="BytedTsinghua-SIA/CUDA-Agent-Ops-6K", demos=None, demo_fraction=0.0,
+        env=env.EnvConfig(max_turns=150, max_context_tokens=131072, tool_workers=4),
+        sandbox=sandbox.SandboxConfig(device="cuda"), bf16=True, grad_checkpointing=True, max_new_tokens=8192,
+        lora_rank=16, lora_alpha=32.0,       # ours: ~0.63B parameters per adapter on Qwen3-30B-A3B (r = 16)
+        lr_actor=3e-5, lr_critic=6e-5, lr_head=1e-4,        # ours: ~10x the paper's full-FT rates, same 1:2 ratio
+        batch_size=1024, micro_batch_size=1, ppo_epochs=1, num_minibatches=1,  # "one update per batch"
+        warmup_steps=50, rft_rollouts=1024, rft_steps=200, rft_batch_size=64,  # ours (not stated)
+        value_pretrain_steps=50, agent_steps=150, checkpoint_every=1, sample_every=10),
+}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# What every stage uses. Rank and world come from torch.distributed (1 process: 0 and 1).
+
+
+@dataclass
+class Run:
+    cfg: TrainConfig
+    model: object                 # PeftModel: frozen base + "actor" and "critic" LoRA adapters
+    head: torch.nn.Module         # the critic's scalar value head
+    tok: object
+    pool: sandbox.SandboxPool
+    tasks: list[tasks_mod.Task]
+    demos: list[tuple[tasks_mod.Task, dict[str, str]]]
+    logger: runlog.Logger
+    opt: dict = field(default_factory=dict)   # {"actor": AdamW, "critic": AdamW}, fresh per stage
+
+    @property
+    def device(self) -> torch.device:
+        return self.head.weight.device
+
+    @property
+    def pad_id(self) -> int:
+        return self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
+
+
+def rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def all_ranks(xs: list) -> list:
+    """Every rank's list, concatenated in rank order, on every rank (identity on one process). Uses
+    torch.distributed directly: under torchrun on CPUs accelerate's gather_object saw one process only."""
+    rank, world = rank_world()
+    if world == 1:
+        return xs
+    parts = [None] * world
+    dist.all_gather_object(parts, xs)
+    return [x for part in parts for x in part]
+
+
+def gather_mean(m: dict, totals: tuple = ()) -> dict:
+    """Average per-rank metric dicts over ranks (equal shards) for rank 0's log line; keys in `totals` are
+    summed instead (counts over the whole batch)."""
+    ms = all_ranks([m])
+    return {k: sum(d.get(k, 0.0) for d in ms) / (1 if k in totals else len(ms)) if isinstance(v, (int, float))
+            else v for k, v in m.items()}
+
+
+def local_demos(run: Run, n_local: int, fraction: float) -> int:
+    """This rank's share of the demonstrations in a global batch of n_local * world episodes. The share is
+    set over the global batch and dealt round-robin, so a 4-episode batch at 25% holds one demonstration
+    on 2 ranks too (rounding per rank would give round(0.5) = 0 on each)."""
+    rank, world = rank_world()
+    if not run.demos:
+        return 0
+    n = round(n_local * world * fraction)
+    return min(n_local, len(range(rank, n, world)))
+
+
+def checkpoint(run: Run, stage: int, step: int, force: bool = False) -> None:
+    rank, world = rank_world()
+    if world > 1:
+        dist.barrier()
+        # data parallel by hand (ppo.all_reduce_grads): every rank must hold the same weights, or rank 0's
+        # checkpoint silently differs from what the others train. A checksum per role, compared to rank 0's.
+        ps = [ppo.adapter_params(run.model, "actor"),
+              ppo.adapter_params(run.model, "critic") + list(run.head.parameters())]
+        mine = torch.stack([sum(p.detach().double().sum() for p in g) for g in ps]).to(run.device)
+        ref = mine.clone()
+        dist.broadcast(ref, 0)
+        assert torch.allclose(mine, ref, rtol=1e-9, atol=0), f"rank {rank} diverged from rank 0: {mine} vs {ref}"
+    if rank == 0 and (force or step % run.cfg.checkpoint_every == 0):
+        runlog.save_checkpoint(run.cfg.run_dir, run.model, run.head, run.opt, stage, step, run.cfg)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Rollouts through the real agent environment (env.run_episodes) and the sandbox pool.
+
+
+def build_models(cfg: TrainConfig, device: torch.device):
+    """(peft_model, value_head, tokenizer). cfg.model == "tiny": the random tiny Qwen3-MoE of policy.py
+    (offline); else a hub id / local path loaded with the real HF code (policy.load_policy_model)."""
+    if cfg.model == "tiny":
+        base, tok = policy.build_tiny_model_and_tokenizer(seed=cfg.seed)
+    else:
+        base, tok = policy.load_policy_model(cfg.model, dtype="bfloat16" if cfg.bf16 else "float32",
+                                             device=str(device))
+    base.to(device)
+    for p in base.parameters():
+        p.requires_grad_(False)
+    if cfg.grad_checkpointing:
+        # active in train mode only (the updates); rollouts run in eval mode and keep the KV cache
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model, info = ppo.add_actor_critic_adapters(base, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
+    print(f"[ppo] LoRA r={cfg.lora_rank} on {info['modules']} modules + {info['params']} fused expert "
+          f"param kinds; trainable per adapter: {sum(p.numel() for p in ppo.adapter_params(model, 'actor')):,}")
+    head = torch.nn.Linear(base.config.hidden_size, 1).to(device)  # critic's scalar value head
+    torch.nn.init.zeros_(head.weight)
+    torch.nn.init.zeros_(head.bias)
+    return model, head, tok
+
+
+def demo_script(files: dict[str, str], single_turn: bool) -> list[dict]:
+    """The assistant messages that play a demonstration back through env + ReplayPolicy: single-turn, one
+    response with a fenced block per file (the single-turn answer format); agentic, write every file +
+    compile + verify in turn 1, profile in turn 2, finish in turn 3."""
+    if single_turn:
+        lang = {".py": "python", ".cu": "cuda", ".cpp": "cpp"}
+        blocks = [f"```{lang.get(os.path.splitext(p)[1], '')} {p}\n{t if t.endswith(chr(10)) else t + chr(10)}```"
+                  for p, t in sorted(files.items())]
+        return [{"content": "\n".join(blocks)}]
+    call = lambda name, **a: {"type": "function", "function": {"name": name, "arguments": json.dumps(a)}}  # noqa
+    writes = [call("write_file", path=p, content=t) for p, t in sorted(files.items())]
+    return [{"content": "", "tool_calls": writes + [call("compile"), call("verify")]},
+            {"content": "", "tool_calls": [call("profile")]},
+            {"content": "", "tool_calls": [call("finish")]}]
+
+
+def rollout(run: Run, n: int, n_demo: int, single_turn: bool, work_dir: str) -> list[tasks_mod.Trajectory]:
+    """n episodes: n - n_demo sampled from the actor, n_demo demonstrations replayed through the same env
+    (flagged source="demo"). The global `random` picks tasks, so a resumed run picks what it would have."""
+    cfg = run.cfg
+    ecfg = dataclasses.replace(cfg.env, max_turns=1 if single_turn else cfg.env.max_turns, single_turn=single_turn,
+                               work_dir=work_dir, final_check=True)
+    out = []
+    n_pol = n - n_demo
+    run.model.eval()  # generation: KV cache on, gradient checkpointing off
+    if n_pol > 0:
+        run.model.set_adapter("actor")
+        pol = policy.HFPolicy(run.model, run.tok, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                              seed=random.randrange(2 ** 31), engine=cfg.rollout_engine)  # fresh engine per update
+        picks = [run.tasks[random.randrange(len(run.tasks))] for _ in range(n_pol)]
+        out += env.run_episodes(pol, picks, run.pool, ecfg, tokenizer=run.tok)
+    if n_demo > 0:
+        picks = [run.demos[random.randrange(len(run.demos))] for _ in range(n_demo)]
+        scripts = {n_pol + i: demo_script(files, single_turn) for i, (_, files) in enumerate(picks)}
+        demos = env.run_episodes(policy.ReplayPolicy(scripts), [t for t, _ in picks], run.pool, ecfg,
+                                 tokenizer=run.tok, id_offset=n_pol)
+        out += [dataclasses.replace(t, source="demo") for t in demos]
+    shutil.rmtree(work_dir, ignore_errors=True)  # trajectories keep the best workspace snapshot
+    return out
+
+
+def rft_view(t: tasks_mod.Trajectory) -> dict:
+    """What ppo.rft_filter reads from a trajectory: reward, the tool calls (with validity), truncation."""
+    calls = []
+    for turn in t.turns:
+        calls += [{"tool": c["name"], "args": c["args_text"], "valid": c.get("error") is None} for c in turn["calls"]]
+        calls += [{"tool": "<malformed>", "args": e, "valid": False} for e in turn.get("errors", [])]
+    truncated = t.stop_reason in ("max_turns", "context") or any(x["finish_reason"] == "length" for x in t.turns)
+    return {"reward": t.final_reward, "tool_calls": calls, "truncated": truncated, "traj": t}
+
+
+def rollout_metrics(trajs: list[tasks_mod.Trajectory], rewards: list[float], seconds: float) -> dict:
+    """Reward mean and -1/1/2/3 distribution, pass/faster rates, limit share, turns, generation tokens/s."""
+    n = max(1, len(trajs))
+    vs = [t.final_verdict or {} for t in trajs]
+    m = {"reward_mean": sum(rewards) / n, "n": len(trajs), "n_demo": sum(t.source == "demo" for t in trajs)}
+    for tier in (-1, 1, 2, 3):
+        m[f"r{tier}"] = sum(1 for r in rewards if r == tier) / n
+    m["pass_rate"] = sum(bool(v.get("correct")) for v in vs) / n
+    m["faster_rate"] = sum(bool(v.get("correct")) and (v.get("speedup_compile") or 0) > 1 for v in vs) / n
+    m["clipped_share"] = sum(rft_view(t)["truncated"] for t in trajs) / n
+    m["turns"] = sum(len(t.turns) for t in trajs) / n
+    m["gen_tok_s"] = sum(sum(t.mask) for t in trajs if t.source == "policy") / max(seconds, 1e-9)
+    return m
+
+
+def print_sample(trajs: list[tasks_mod.Trajectory], tok) -> None:
+    """Now and then, look at a decoded sample: kernel RL fails in ways only samples show."""
+    t = ([t for t in trajs if t.source == "policy"] or trajs)[0]
+    text = tok.decode([i for i, m in zip(t.ids, t.mask) if m])[:300].replace("\n", "\\n")
+    print(f"    sample [{t.source}] {t.task} reward {t.final_reward}: {text!r}", flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One PPO iteration (stages 1, 3, 4) and the two other stages.
+
+
+def ppo_iteration(run: Run, stage: int, step: int, trajs: list | None = None, single_turn: bool = False,
+                  demo_fraction: float = 0.0, train_actor: bool = True, heldout: list | None = None) -> None:
+    """rollout -> reward -> score -> GAE -> PPO update -> log. Stage 3 passes stored `trajs` (no rollout),
+    train_actor=False and a `heldout` split whose explained variance it reports."""
+    cfg, rank, world = run.cfg, *rank_world()
+    # 1) rollout: actor episodes (+ demonstrations in the tiny preset's warm-up), final sandbox verdicts included
+    fresh = trajs is None
+    if fresh:
+        t0 = time.time()
+        n_local = max(1, cfg.batch_size // world)
+        wd = os.path.join(cfg.run_dir, "workspaces", f"s{stage}_{step}_r{rank}")
+        trajs = rollout(run, n_local, local_demos(run, n_local, demo_fraction), single_turn, wd)
+        t_gen = time.time() - t0
+        tasks_mod.save_trajectories(os.path.join(cfg.run_dir, "rollouts", f"s{stage}_{step:04d}_r{rank}.jsonl"),
+                                    trajs, stage=stage, step=step)
+    # 2) reward: Eq. 1 milestone (or --env.reward speedup) of each final verdict, on the last policy token
+    rewards = [reward.reward_from_verdict(t.final_verdict, cfg.env.reward) for t in trajs]
+    b_ids, b_attn, b_mask, b_rewards = ppo.collate([t.ids for t in trajs], [t.mask for t in trajs], rewards,
+                                                   run.pad_id, run.device)                       # (B, T) each
+    # 3) score: old values (critic), old log-probs (actor, recomputed by the trainer), reference log-probs
+    b_values, b_logp, b_ref_logp = ppo.score(run.model, run.head, b_ids, b_attn, cfg.micro_batch_size,
+                                             cfg.temperature, need_logp=train_actor,
+                                             need_ref=train_actor and cfg.kl_coef > 0)           # (B, T) each
+    # 4) advantages: token-level GAE (Eq. 5, gamma 1, lambda 0.95); returns V + A are the critic's targets
+    b_adv, b_returns = ppo.compute_gae(b_rewards, b_values, b_mask, cfg.gamma, cfg.lam)           # (B, T) each
+    m = {**rollout_metrics(trajs, rewards, t_gen)} if fresh else {}
+    m.update(ppo.score_stats(b_values, b_returns, b_adv, b_mask))
+    if cfg.whiten_advantages:
+        b_adv = ppo.whiten_advantages(b_adv, b_mask)
+    # 5) PPO update: clipped actor loss with clip-higher + critic loss, per-trajectory-then-batch means
+    t1 = time.time()
+    m.update(ppo.ppo_update(run.model, run.head, run.opt, cfg, b_ids, b_attn, b_mask, b_logp, b_values, b_adv,
+                            b_returns, b_ref_logp, n_global=len(trajs) * world, train_actor=train_actor))
+    n_tok = sum(len(t.ids) for t in trajs) * cfg.ppo_epochs * (2 if train_actor else 1)  # actor + critic passes
+    m["train_tok_s"] = n_tok / max(time.time() - t1, 1e-9)
+    if heldout:
+        m["heldout_explained_variance"] = heldout_explained_variance(run, heldout)
+    # 6) log (rank 0) and, now and then, one decoded sample (the caller checkpoints)
+    run.logger.log(stage, step, gather_mean(m))
+    if fresh and rank == 0 and cfg.sample_every and step % cfg.sample_every == 0:
+        print_sample(trajs, run.tok)
+
+
+def heldout_explained_variance(run: Run, trajs: list) -> float:
+    """The critic's explained variance on trajectories it is not trained on (stage 3; paper Fig. 5)."""
+    rewards = [reward.reward_from_verdict(t.final_verdict, run.cfg.env.reward) for t in trajs]
+    b_ids, b_attn, b_mask, b_rewards = ppo.collate([t.ids for t in trajs], [t.mask for t in trajs], rewards,
+                                                   run.pad_id, run.device)
+    b_values, _, _ = ppo.score(run.model, run.head, b_ids, b_attn, run.cfg.micro_batch_size, run.cfg.temperature,
+                               need_logp=False)
+    b_adv, b_returns = ppo.compute_gae(b_rewards, b_values, b_mask, run.cfg.gamma, run.cfg.lam)
+    return ppo.score_stats(b_values, b_returns, b_adv, b_mask)["explained_variance"]
+
+
+def ppo_stage(run: Run, stage: int, n_steps: int, start: int, single_turn: bool, demo_fraction: float) -> None:
+    """Stage 1 (single-turn warm-up) and stage 4 (agentic PPO)."""
+    for step in range(start, n_steps):
+        ppo_iteration(run, stage, step, single_turn=single_turn, demo_fraction=demo_fraction)
+        checkpoint(run, stage, step + 1, force=step + 1 == n_steps)
+
+
+def _stage2_file(run: Run) -> str:
+    return os.path.join(run.cfg.run_dir, f"stage2_trajectories_r{rank_world()[0]}.jsonl")
+
+
+def rft_stage(run: Run, start: int) -> None:
+    """Stage 2: agent trajectories from the warm-up policy (+ demos), rft_filter, SFT on action tokens.
+    Step 0 collects (its trajectories are saved for stage 3 and for resume); steps 1..rft_steps are SFT."""
+    cfg, (rank, world) = run.cfg, rank_world()
+    if start == 0:
+        t0 = time.time()
+        n_local = max(1, cfg.rft_rollouts // world)
+        trajs = rollout(run, n_local, local_demos(run, n_local, cfg.demo_fraction), cfg.env.max_turns == 1,
+                        os.path.join(cfg.run_dir, "workspaces", f"s2_r{rank}"))
+        tasks_mod.save_trajectories(_stage2_file(run) + ".tmp", trajs, stage=2, step=0)
+        os.replace(_stage2_file(run) + ".tmp", _stage2_file(run))
+        kept = [v["traj"] for v in ppo.rft_filter([rft_view(t) for t in trajs])]
+        rewards = [reward.reward_from_verdict(t.final_verdict, cfg.env.reward) for t in trajs]
+        m = {**rollout_metrics(trajs, rewards, time.time() - t0), "n_kept": len(kept),
+             "n_kept_demo": sum(t.source == "demo" for t in kept)}
+        run.logger.log(2, 0, gather_mean(m, totals=("n_kept", "n_kept_demo")))
+        checkpoint(run, 2, 1, force=True)
+        start = 1
+    trajs = tasks_mod.load_trajectories(_stage2_file(run))
+    # data parallel: the filter keeps different counts on different ranks, so every rank pools all ranks'
+    # kept trajectories and each step deals out one global batch in equal shards (equal shards keep the
+    # gradient all-reduce in step on every rank; a short pool is sampled with replacement to fill them)
+    kept = all_ranks([(v["traj"].ids, v["traj"].mask) for v in ppo.rft_filter([rft_view(t) for t in trajs])])
+    if not kept and cfg.rft_steps > 0:
+        print("[ppo] RFT: no trajectory passed the filter (reward > 0, no loops/invalid calls): SFT skipped")
+        return
+    for step in range(start, cfg.rft_steps + 1):
+        t1 = time.time()
+        rng = random.Random(cfg.seed * 1_000_003 + step)  # the same global batch on every rank
+        n = -(-min(len(kept), cfg.rft_batch_size) // world) * world
+        batch = rng.sample(kept, n) if n <= len(kept) else rng.choices(kept, k=n)
+        local = batch[rank::world]
+        b_ids, b_attn, b_mask, _ = ppo.collate([i for i, _ in local], [m for _, m in local], None, run.pad_id,
+                                               run.device)
+        st = ppo.sft_update(run.model, run.opt["actor"], cfg, b_ids, b_attn, b_mask, n_global=n)
+        st.update(n_kept=len(kept), train_tok_s=sum(len(i) for i, _ in local) / max(time.time() - t1, 1e-9))
+        run.logger.log(2, step, gather_mean(st))
+        checkpoint(run, 2, step + 1, force=step == cfg.rft_steps)
+
+
+def value_stage(run: Run, start: int) -> None:
+    """Stage 3: fit the critic to GAE targets (V + A, recomputed from the current critic each step) on the
+    stage-2 trajectories, actor frozen; report explained variance on a held-out split."""
+    cfg = run.cfg
+    trajs = tasks_mod.load_trajectories(_stage2_file(run))
+    idx = list(range(len(trajs)))
+    random.Random(cfg.seed).shuffle(idx)  # a fixed split, the same after resume
+    n_held = max(1, int(round(len(trajs) * cfg.value_heldout))) if len(trajs) > 1 else 0
+    held, train_set = [trajs[i] for i in idx[:n_held]], [trajs[i] for i in idx[n_held:]]
+    for step in range(start, cfg.value_pretrain_steps):
+        batch = random.sample(train_set, min(len(train_set), cfg.batch_size))
+        ppo_iteration(run, 3, step, trajs=batch, train_actor=False, heldout=held)
+        checkpoint(run, 3, step + 1, force=step + 1 == cfg.value_pretrain_steps)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Entry point
+
+
+def setup(cfg: TrainConfig) -> torch.device:
+    """This process's device; with `accelerate launch` (WORLD_SIZE > 1) also the process group."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        acc = Accelerator()  # sets up the process group (NCCL on GPUs, gloo on CPUs) and this rank's device
+        local = int(os.environ.get("LOCAL_RANK", acc.local_process_index))
+        assert acc.device.type == "cpu" or local not in cfg.sandbox_gpus, "a training GPU is also a sandbox GPU"
+        return acc.device
+    return torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
+                        ("cpu" if cfg.device == "auto" else cfg.device))
+
+
+def train(cfg: TrainConfig) -> int:
+    """Run the four stages in order (§3.3), resuming from run_dir/checkpoint.pt with --resume."""
+    device = setup(cfg)
+    rank, world = rank_world()
+    if cfg.cpu_threads > 0:
+        torch.set_num_threads(cfg.cpu_threads)
+    random.seed(cfg.seed + rank)
+    np.random.seed(cfg.seed + rank)
+    torch.manual_seed(cfg.seed + rank)
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    if rank == 0:
+        with open(os.path.join(cfg.run_dir, "config.json"), "w") as f:
+            json.dump(dataclasses.asdict(cfg), f, indent=1)
+    model, head, tok = build_models(cfg, device)
+    tasks = tasks_mod.load_tasks(cfg.tasks)
+    assert tasks, f"no tasks in {cfg.tasks}"
+    demos = tasks_mod.load_demos(cfg.demos, tasks, "cuda" if cfg.sandbox.device == "cuda" else "cpu") \
+        if cfg.demo_fraction > 0 else []
+    assert not (cfg.demos and cfg.demo_fraction > 0) or demos, f"no demonstrations for these tasks in {cfg.demos}"
+    print(f"[ppo] {len(tasks)} tasks, {len(demos)} demonstrations ({cfg.demo_fraction:.0%} of stage-1/2 batches, "
+          f"flagged source=demo), device {device}, rank {rank}/{world}", flush=True)
+    gpus = cfg.sandbox_gpus[rank::world] if cfg.sandbox_gpus else None
+    if cfg.sandbox.device == "cuda" and device.type == "cuda" and not gpus:
+        print("[ppo] WARNING: no --sandbox-gpus: kernels are timed on GPU 0 next to training (noisy rewards)")
+    pool = sandbox.SandboxPool(dataclasses.replace(cfg.sandbox, seed=cfg.seed), gpus=gpus,
+                               cpu_slots=cfg.sandbox_cpu_slots)
+    if cfg.sandbox.device == "cuda" and cfg.sandbox_prewarm > 0:  # nothing is timed yet: compile in parallel
+        t0 = time.time()
+        warmed = pool.prewarm([t.code for t in tasks[rank::world]], cfg.sandbox_prewarm)
+        print(f"[ppo] prewarmed {len(warmed)} uncached task baselines in {time.time() - t0:.0f} s", flush=True)
+    stage, start, ck = 1, 0, None
+    metrics = os.path.join(cfg.run_dir, "metrics.jsonl")
+    if cfg.resume:
+        ck = runlog.load_checkpoint(cfg.run_dir, model, head)
+        if ck:
+            stage, start = ck["stage"], ck["step"]
+            print(f"[ppo] resumed from {cfg.run_dir}/checkpoint.pt at stage {stage} ({STAGES.get(stage, 'done')}), "
+                  f"step {start}", flush=True)
+    if rank == 0:
+        if ck:
+            runlog.truncate_metrics(metrics, stage, start)
+        elif os.path.exists(metrics):
+            os.remove(metrics)  # a fresh run in an old run_dir
+    run = Run(cfg, model, head, tok, pool, tasks, demos, runlog.Logger(cfg.run_dir, cfg.tensorboard, rank == 0))
+    n_steps = {1: cfg.warmup_steps, 2: cfg.rft_steps, 3: cfg.value_pretrain_steps, 4: cfg.agent_steps}
+    try:
+        for s in range(stage, 5):
+            step0 = start if s == stage else 0
+            run.opt = ppo.make_optimizers(model, head, cfg)  # fresh AdamW per stage (different objectives)
+            if ck and s == stage and step0 > 0:
+                for k, o in run.opt.items():
+                    o.load_state_dict(ck["opt"][k])
+            print(f"[ppo] ==== stage {s}) {STAGES[s]}: {n_steps[s]} steps (from {step0}) ====", flush=True)
+            if s == 1:
+                ppo_stage(run, 1, cfg.warmup_steps, step0, single_turn=True, demo_fraction=cfg.demo_fraction)
+            elif s == 2 and (cfg.rft_steps > 0 or cfg.value_pretrain_steps > 0):
+                rft_stage(run, step0)  # collects stage-2 trajectories (stage 3 needs them too), then SFT
+            elif s == 3 and cfg.value_pretrain_steps > 0:
+                value_stage(run, step0)
+            elif s == 4:
+                ppo_stage(run, 4, cfg.agent_steps, step0, single_turn=cfg.env.max_turns == 1, demo_fraction=0.0)
+            checkpoint(run, s + 1, 0, force=True)
+    finally:
+        pool.close()
+    if world > 1:  # the last checkpoint was the last collective call
+        dist.destroy_process_group()
+    if rank == 0 and os.path.exists(metrics):
+        print(f"[ppo] done: {runlog.plot_curves(cfg.run_dir)}, {metrics}, rollouts in {cfg.run_dir}/rollouts",
+              flush=True)
+    return 0
