@@ -17,9 +17,8 @@ Departures from the paper
      (LoRA adapter live, no reload after an update). `RolloutBackend` is the extension point for vLLM.
   2. Sliding-window and non-attention (linear/SSM) layers are not supported by the ragged arena.
 
-Correctness: in fp32 on CPU greedy tokens equal `model.generate`'s and sampled tokens equal `plain_turn`'s
-with the same generators (tests/test_generate.py); in bf16 on GPU scripts/bench_generate.py reports the
-share of identical greedy turns.
+Correctness: in fp32 on CPU greedy tokens equal `model.generate`'s and sampled tokens `plain_turn`'s
+(tests/test_generate.py); in bf16 on GPU scripts/bench_generate.py reports identical greedy turns.
 
 Smoke: python -m pytest -q tests/test_generate.py
 Bench: python scripts/bench_generate.py --preset small --out bench_small.json     (H200)

@@ -191,7 +191,7 @@ def _set_precision(tf32: bool):
 
 # ----------------------------------------------------------------------------- sketches (every timed call)
 SKETCH_KEYS = 3          # projections per output; an output that is wrong by about its own norm passes one
-SKETCH_CHUNK = 1 << 20   # with probability ~0.06 (see sandbox.sketch_close), so three keys: ~2e-4
+SKETCH_CHUNK = 1 << 20   # with probability ~0.06 (see sandbox_rules.sketch_close), so three keys: ~2e-4
 
 
 def sketch(ys: list, keys: list[int]) -> list[dict]:
@@ -448,8 +448,7 @@ def _scrub(device: str, sync):
     on its own stream does not race it."""
     if device == "cuda":
         import torch
-        junk = torch.empty(64 * 2**20, dtype=torch.float32, device=device).fill_(float("nan"))
-        del junk
+        torch.empty(64 * 2**20, dtype=torch.float32, device=device).fill_(float("nan"))  # freed at once
     sync()
 
 
@@ -530,7 +529,7 @@ def _serve(model, task, guard_cls, job, ch, clocks, snapshot) -> dict:
     request two: the time, then the sketch once the host has sent the keys) and the host sends the next
     request only after that reply, so no future seed is ever in this process."""
     import torch
-    device, threads0, last_xs, res = job["device"], None, None, {}
+    device, threads0, last_xs = job["device"], None, None
     req = ch.recv_control()
     while req["op"] != "done":
         t_req = clocks[0]()  # the child's span of this request, cross-checked against the host's wall clock

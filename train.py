@@ -2,9 +2,8 @@
 
   1) single-turn PPO warm-up;  2) agent trajectories + `rft_filter` + SFT on the action tokens (RFT);
   3) value pretraining (critic fitted on the stage-2 trajectories, actor frozen);  4) agentic PPO.
-Stages 1, 3 and 4 run `ppo_iteration`: rollout -> reward (reward.py, Eq. 1) -> score -> GAE -> PPO update ->
-log. Rollouts are real: env.run_episodes with policy.HFPolicy over the actor, verdicts from the sandbox pool.
-The math and the models are in ppo.py; checkpoints and logs in runlog.py.
+Stages 1, 3, 4 run `ppo_iteration`: rollout (env.run_episodes, policy.HFPolicy over the actor, the sandbox
+pool) -> reward (reward.py, Eq. 1) -> score -> GAE -> PPO update -> log. Math and models: ppo.py; logs: runlog.py.
 
 Ablations (one flag each; the default is the paper's recipe): --rft-steps 0, --value-pretrain-steps 0,
 --env.reward speedup, --env.max-turns 1 (stages 2 and 4 single-turn), --kl-coef, --lora-rank, --lora-targets.
@@ -19,11 +18,10 @@ Departures from the paper
      through the same env and flagged `source: demo`. The paper preset has no demos.
   4. Not stated in the paper, so ours: stage lengths of stages 1-3, fresh AdamW per stage, one context
      budget (--env.max-context-tokens) for both modes; stage-3 targets are GAE returns from the current critic.
-  5. Multi-GPU: `accelerate launch` runs one process per training GPU (data parallel over trajectories);
-     the sandbox gets its own GPUs (--sandbox-gpus).
+  5. Multi-GPU: one process per training GPU (data parallel over trajectories); the sandbox gets its own GPUs.
 
 Smoke: python cuda_agent.py train                  (tiny preset, CPU, offline)
-Full:  accelerate launch --num_processes 6 cuda_agent.py train --preset paper --sandbox-gpus 6,7
+Full:  accelerate launch --num_processes 6 cuda_agent.py train --preset paper --sandbox-gpus 6 7
 """
 from __future__ import annotations
 

@@ -9,11 +9,11 @@ Guarantees, for every function here:
     (FILE_CAP) and per tree (TOTAL_CAP), and walks stop at MAX_FILES regular files;
   * walks never descend into dot-dirs (.git, .ncu) or __pycache__, and list files in sorted order.
 Not covered: the caller's own later use of a path it got from `walk` or `confine` (open it with
-`read_bytes`/`read_text`/`write_text`, which re-check); disk quotas of what `copy_tree` writes (TOTAL_CAP).
+`read_bytes`/`read_text`/`write_text`, which re-check); a disk quota (`copy_tree` writes at most TOTAL_CAP).
 
 Departures from the paper:
-  1. The paper does not describe how its harness reads agent files; this module exists because an attack
-     study of this harness made it run out of memory (a link to /dev/zero), hang (a FIFO) and leak files.
+  1. The paper does not say how its harness reads agent-written files. Read naively, a link to /dev/zero
+     exhausts the host's memory, a FIFO blocks it, and a link out shows the agent the harness's files.
 
 Smoke: python -m pytest tests/test_sandbox_files.py -q -k workspace
 Full:  python -m pytest tests/test_sandbox_files.py tests/test_env_files.py -q

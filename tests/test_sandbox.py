@@ -88,8 +88,9 @@ def test_honest_workspace_openmp_reward(pcfg):
     assert v.timings["isolation"] in ("bwrap", "unshare", "rlimits")
     d = v.to_dict()
     for k in ("compiled", "correct", "violation", "error", "eager_ms", "compile_ms", "candidate_ms",
-              "speedup_eager", "speedup_compile", "reward"):
+              "speedup_eager", "speedup_compile"):
         assert k in d
+    assert "reward" not in d, "the verdict carries no reward: reward.py turns it into one"
 
 
 def test_honest_form_a_numpy(cfg):
@@ -108,7 +109,7 @@ def test_honest_thread_joined_before_return(cfg):  # twin of the thread hacks
 # ----------------------------------------------------------------------------- malformed tasks
 BAD_TASKS = {
     "missing": "import torch\nclass Model(torch.nn.Module):\n    pass\ndef get_init_inputs():\n    return []\n",
-    "import": "import no_such_module_xyz\n",
+    "import": "import no_such_module_xyz\n" + SOFTMAX_TASK,
     "syntax": "def broken(:\n",
     "nontensor": SOFTMAX_TASK.replace("return [torch.rand(16, 4096)]", "return [3, 'x']"),
     "raises": SOFTMAX_TASK.replace("return torch.softmax(x, dim=1)", "raise ValueError('boom')"),
@@ -123,6 +124,27 @@ def test_malformed_task(kind):
     assert msg and "\n" not in msg and "Traceback" not in msg
     assert {"missing": "get_inputs", "import": "no_such_module", "syntax": "SyntaxError",
             "nontensor": "non-tensor", "raises": "boom"}[kind] in msg
+
+
+def test_bad_input_files_answer_on_the_host_in_milliseconds(cfg, tmp_path):
+    """Binary, directory, missing and unparsable inputs are refused on the host, naming the file (and line),
+    before any child starts."""
+    import time
+    binary = tmp_path / "task.py"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe")
+    for task, why in [(str(binary), "not UTF-8"), (str(tmp_path), "is a directory"),
+                      (str(tmp_path / "nope.py"), "not found"), (SOFTMAX_TASK.replace("def get_inputs", "def get_inp"),
+                                                                 "defines no get_inputs")]:
+        with pytest.raises(TaskError, match=why):
+            check(task, sol(), cfg)
+    t0 = time.perf_counter()
+    v = run(sol(HONEST).replace("return torch", "return (torch"), cfg)  # unbalanced parenthesis
+    assert not v.compiled and "line" in v.error and "SyntaxError" in v.error, v.to_dict()
+    assert time.perf_counter() - t0 < 2.0, "no sandbox child for a syntax error"
+    assert "not found" in run(str(tmp_path / "missing_solution.py"), cfg).error
+    txt = tmp_path / "solution.txt"  # any text file holds a form (a) solution
+    txt.write_text(sol())
+    assert run(str(txt), cfg).correct
 
 
 def test_isolation_probe_is_race_free(monkeypatch):
@@ -435,11 +457,11 @@ def test_compile_error_is_a_verdict(cfg, tmp_path):
 
 def test_cache_dir_follows_env(monkeypatch, tmp_path):
     """$CUDA_AGENT_CACHE sets every command's sandbox cache (the device script gives each lane its own)."""
-    import env
+    import cuda_agent
     import kernelbench_eval
     monkeypatch.setenv("CUDA_AGENT_CACHE", str(tmp_path))
-    assert SandboxConfig().cache_dir == env.SolveConfig().cache_dir == kernelbench_eval.EvalConfig().cache_dir \
-        == str(tmp_path)
+    assert SandboxConfig().cache_dir == cuda_agent.SolveConfig("t.py").sandbox.cache_dir == \
+        kernelbench_eval.EvalConfig().sandbox.cache_dir == str(tmp_path)
     monkeypatch.delenv("CUDA_AGENT_CACHE")
     assert SandboxConfig().cache_dir == "~/.cache/cuda_agent"
 
