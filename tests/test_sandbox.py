@@ -16,6 +16,7 @@ import pytest
 
 import reward
 import sandbox
+import sandbox_child
 from sandbox import SandboxConfig, TaskError, check, compare, load_task, static_scan
 
 FIX = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "sandbox")
@@ -147,6 +148,21 @@ def test_bad_input_files_answer_on_the_host_in_milliseconds(cfg, tmp_path):
     assert run(str(txt), cfg).correct
 
 
+def test_a_child_that_cannot_start_is_an_error_not_a_verdict(cfg, monkeypatch):
+    """The sandbox's own failures (here: the worker script is gone) raise SandboxError with one line; they
+    never become a verdict with reward -1 that training would learn from."""
+    monkeypatch.setattr(sandbox_child, "WORKER", "/nonexistent/sandbox_worker.py")
+    with pytest.raises(sandbox.SandboxError, match="did not start") as e:
+        run(sol(), dataclasses.replace(cfg, seed=12345))  # a seed of its own: no cached reference pool
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.skipif(sandbox_child.gpus_listed() > 0, reason="a GPU is visible here")
+def test_cuda_without_a_gpu_is_an_error_not_a_bad_task(cfg):
+    with pytest.raises(sandbox.SandboxError, match="no GPU is visible"):
+        run(sol(), dataclasses.replace(cfg, device="cuda"))
+
+
 def test_isolation_probe_is_race_free(monkeypatch):
     """Threads asking for the isolation level while the first probe runs get the probe's answer, never the
     fallback: a 2-GPU run labelled two of its first concurrent checks "rlimits" before this lock."""
@@ -155,11 +171,11 @@ def test_isolation_probe_is_race_free(monkeypatch):
 
     def slow_probe(cmd, **kw):  # a probe that succeeds, slowly (bwrap can take a second on a loaded host)
         time.sleep(0.3)
-        return subprocess.CompletedProcess(cmd, 0)
-    monkeypatch.setattr(sandbox, "_ISOLATION", None)
+        return subprocess.CompletedProcess(cmd, 0, stdout=b"sandbox_worker ok\n")
+    monkeypatch.setattr(sandbox_child, "_ISOLATION", None)
     monkeypatch.delenv("CUDA_AGENT_ISOLATION", raising=False)
-    monkeypatch.setattr(sandbox.shutil, "which", lambda name: "/usr/bin/" + name)
-    monkeypatch.setattr(sandbox.subprocess, "run", slow_probe)
+    monkeypatch.setattr(sandbox_child.shutil, "which", lambda name: "/usr/bin/" + name)
+    monkeypatch.setattr(sandbox_child.subprocess, "run", slow_probe)
     seen, go = [], threading.Barrier(8)
 
     def ask():
@@ -425,7 +441,7 @@ def test_cannot_read_baseline_cache_or_sandbox_root(pcfg):
     assert run(RELU_WS, pcfg).correct  # makes sure baselines.json exists
     secret = os.path.join(os.path.expanduser(pcfg.cache_dir), "baselines.json")
     assert os.path.exists(secret)
-    root = sandbox._root()  # holds every job dir; inside, only the candidate's own job path may show
+    root = sandbox_child.root()  # holds every job dir; inside, only the candidate's own job path may show
     head = (f"if os.path.exists({secret!r}):\n    raise RuntimeError('LEAK baselines')\n"
             f"jobs = os.listdir({root!r})\n"
             f"if len(jobs) != 1 or os.listdir(os.path.join({root!r}, jobs[0])) != ['w']:\n"

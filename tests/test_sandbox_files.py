@@ -18,6 +18,7 @@ import pytest
 
 import reward
 import sandbox
+import sandbox_child
 import workspace
 from sandbox import SandboxConfig, TaskError
 from workspace import WorkspaceError
@@ -262,7 +263,7 @@ def test_compile_child_sees_no_cache_repo_or_siblings(ws, cfg, monkeypatch):
 @BWRAP
 def test_hidden_child_still_runs_the_worker(ws, cfg, tmp_path):
     """With the repo hidden the worker runs from HARNESS_DIR, and the interpreter's prefixes come back."""
-    jobdir = sandbox._new_jobdir()
+    jobdir = sandbox_child.new_jobdir()
     try:
         os.makedirs(os.path.join(jobdir, "w"))
         args = os.path.join(jobdir, "w", "args.pkl")
@@ -289,7 +290,7 @@ def test_a_venv_inside_a_hidden_dir_keeps_working(tmp_path, monkeypatch):
     for name in ("prefix", "exec_prefix"):
         monkeypatch.setattr(sys, name, str(repo / ".venv"))
     code = f"import sys, ctypes; print('prefix', sys.prefix); print(open({str(repo / 'secret.txt')!r}).read())"
-    jobdir = sandbox._new_jobdir()
+    jobdir = sandbox_child.new_jobdir()
     try:
         r = within(lambda: sandbox.run_child({}, jobdir, device="cpu", timeout_s=30, mem_limit_mb=2048,
                                              hide=(str(repo),), cmd=[str(repo / ".venv" / "bin" / "python"),
