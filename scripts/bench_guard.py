@@ -20,26 +20,11 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 import sandbox_worker as w  # noqa: E402
-
-CU = r"""
-__global__ void relu_k(const float* x, float* y, long n) {
-    long i = blockIdx.x * (long)blockDim.x + threadIdx.x;
-    if (i < n) y[i] = x[i] > 0.f ? x[i] : 0.f;
-}
-extern "C" void relu(const float* x, float* y, long n, void* s) {
-    relu_k<<<(n + 255) / 256, 256, 0, (cudaStream_t)s>>>(x, y, n);
-}
-"""
-CPP = r"""
-extern "C" void relu(const float* x, float* y, long n, void* s) {
-#pragma omp parallel for
-    for (long i = 0; i < n; ++i) y[i] = x[i] > 0.f ? x[i] : 0.f;
-}
-"""
-
+from bench_sandbox import CPP, CU  # noqa: E402  (the same ReLU kernel)
 
 class Relu(torch.nn.Module):
     def __init__(self, lib):
@@ -48,7 +33,7 @@ class Relu(torch.nn.Module):
 
     def forward(self, x):
         y = torch.empty_like(x)
-        self.lib.relu(w.ptr(x), w.ptr(y), x.numel(), w.stream())
+        self.lib.relu_forward(w.ptr(x), w.ptr(y), x.numel(), w.stream())
         return y
 
 
@@ -61,7 +46,7 @@ def build(device: str) -> ctypes.CDLL:
         ["g++", "-O3", "-shared", "-fPIC", "-fopenmp", "-o", so, src]
     subprocess.run(cmd, check=True)
     lib = ctypes.CDLL(so)
-    lib.relu.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
+    lib.relu_forward.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
     return lib
 
 

@@ -1,4 +1,4 @@
-"""Sandbox benchmark (issue 2): rebuild time after a one-kernel edit vs load_inline, checks per minute with
+"""Sandbox benchmark: rebuild time after a one-kernel edit vs load_inline, checks per minute with
 cached baselines, and the spread (coefficient of variation) of repeated timings of one kernel.
 
 GPU (H200): python scripts/bench_sandbox.py --device cuda --out $OUT/bench_sandbox.json

@@ -1,4 +1,4 @@
-"""Adversarial tests of the sandbox (issue 2): one hack per test, each next to an honest control.
+"""Adversarial tests of the sandbox: one hack per test, each next to an honest control.
 
 CPU tests run in CI; `@pytest.mark.gpu` ones run on the H200 (tests/test_sandbox_gpu.py). Honest
 candidates here are form (a) files whose "kernel" is numpy (not torch, so the guard allows it), or the

@@ -1,4 +1,4 @@
-"""CUDA-only adversarial sandbox tests (issue 2): run on the H200, skipped without CUDA.
+"""CUDA-only adversarial sandbox tests: run on the H200, skipped without CUDA.
 
 Each hack is next to an honest twin that differs only in the hack.
 Run: python -m pytest tests/test_sandbox_gpu.py -q -m gpu
