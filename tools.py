@@ -296,7 +296,7 @@ def verify_text(v: dict) -> str:
     head.append(f"correct: {bool(v.get('correct'))} ({ok}/{len(trials)} trials passed, precision {v.get('precision')})")
     for t in trials:
         if not t.get("ok"):
-            head.append(f"  trial seed={t.get('seed')}: max_abs_err={t.get('max_abs_err')} max_rel_err="
+            head.append(f"  trial {t.get('trial')}: max_abs_err={t.get('max_abs_err')} max_rel_err="
                         f"{t.get('max_rel_err')} first_bad_index={t.get('first_bad_index')} {t.get('reason') or ''}")
     return "\n".join(head)
 
