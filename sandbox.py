@@ -88,8 +88,8 @@ from dataclasses import dataclass, field
 
 import sandbox_worker
 import workspace
-from sandbox_child import (HARNESS_DIR, REPO, ChildResult, SandboxError, isolation, last_line,  # noqa: F401
-                           new_jobdir, require_device, run_child, visible_devices)
+from sandbox_child import (HARNESS_DIR, REPO, ChildResult, SandboxError, bwrap_argv, isolation,  # noqa: F401
+                           last_line, new_jobdir, require_device, run_child, visible_devices)
 from sandbox_rules import compare, sketch_close, static_scan
 from workspace import WorkspaceError
 

@@ -66,7 +66,7 @@ def isolation() -> str:
         if _ISOLATION is None:
             probe = [sys.executable, WORKER, "--probe"]  # the real interpreter and worker, as a job runs them
             wdir = tempfile.mkdtemp(dir=root())
-            probes = [("bwrap", _bwrap(probe, wdir, "cpu", [], [])),
+            probes = [("bwrap", bwrap_argv(probe, wdir, "cpu", [], [])),
                       ("unshare", ["unshare", "--net", "--map-root-user", *probe])]
             level = "rlimits"
             for name, cmd in probes:
@@ -107,10 +107,14 @@ def _wrap(cmd: list[str], wdir: str, device: str, writable: list[str], hide: lis
         return ["unshare", "--net", "--map-root-user", *cmd]
     if level == "rlimits":
         return cmd
-    return _bwrap(cmd, wdir, device, writable, hide)
+    return bwrap_argv(cmd, wdir, device, writable, hide)
 
 
-def _bwrap(cmd: list[str], wdir: str, device: str, writable: list, hide: list[str]) -> list[str]:
+def bwrap_argv(cmd: list[str], wdir: str, device: str, writable: list, hide: list[str], ro_binds: tuple = (),
+               setenv: dict | None = None) -> list[str]:
+    """The bubblewrap command line of every sandboxed process (jobs here, the agent's bash tool in tools.py):
+    read-only `/`, private /tmp and /dev/shm, `hide` invisible, `wdir` and `writable` writable, `ro_binds`
+    read-only over them, no network, own namespaces; `cmd` last (empty: the caller appends it)."""
     args = ["bwrap", "--ro-bind", "/", "/"]
     args += ["--dev-bind", "/dev", "/dev"] if device == "cuda" else ["--dev", "/dev"]
     args += ["--proc", "/proc", "--tmpfs", "/tmp", "--tmpfs", "/dev/shm"]
@@ -132,6 +136,8 @@ def _bwrap(cmd: list[str], wdir: str, device: str, writable: list, hide: list[st
     for w in [wdir, *writable]:  # binds come last so that the tmpfs mounts above do not hide them
         src, dst = w if isinstance(w, tuple) else (w, w)  # (host dir, where the child sees it)
         args += ["--bind", src, dst]
+    args += [a for p in ro_binds for a in ("--ro-bind", p, p)]
+    args += [a for k, v in (setenv or {}).items() for a in ("--setenv", k, v)]
     return args + ["--unshare-all", "--die-with-parent", "--new-session", "--chdir", wdir, *cmd]
 
 

@@ -240,20 +240,9 @@ def bash_argv(ws: str, hide: list[str], device: str) -> tuple[list[str], dict[st
     if sandbox.isolation() != "bwrap":
         prefix = ["unshare", "--net", "--map-root-user"] if sandbox.isolation() == "unshare" else []
         return prefix, {**os.environ, "PYTHONPATH": REPO, "PATH": path}
-    argv = ["bwrap", "--ro-bind", "/", "/", "--proc", "/proc", "--tmpfs", "/tmp", "--unshare-net",
-            "--unshare-pid", "--unshare-ipc", "--die-with-parent", "--new-session"]
-    argv += ["--dev-bind", "/dev", "/dev"] if device == "cuda" else ["--dev", "/dev"]
-    hidden = [os.path.realpath(os.path.expanduser(h)) for h in hide]
-    for h in hidden:        # the repo (harness), the sandbox cache, other workspaces
-        if os.path.isdir(h):
-            argv += ["--tmpfs", h]
-    for p in {os.path.realpath(sys.prefix), os.path.realpath(sys.base_prefix)}:   # a venv inside the repo
-        if any((p + os.sep).startswith(h + os.sep) for h in hidden):
-            argv += ["--ro-bind", p, p]
-    worker = os.path.join(REPO, "sandbox_worker.py")   # the runtime helpers model_new.py imports
-    argv += ["--ro-bind", worker, "/tmp/.harness/sandbox_worker.py"] if os.path.exists(worker) else []
-    argv += ["--bind", ws, ws, "--ro-bind", os.path.join(ws, "model.py"), os.path.join(ws, "model.py"),
-             "--setenv", "PYTHONPATH", "/tmp/.harness", "--chdir", ws, "--setenv", "PATH", path]
+    # the workspace writable, its model.py read-only; `python -c "from sandbox_worker import ..."` works
+    argv = sandbox.bwrap_argv([], ws, device, [], hide, ro_binds=(os.path.join(ws, "model.py"),),
+                              setenv={"PYTHONPATH": sandbox.HARNESS_DIR, "PATH": path})
     return argv, dict(os.environ)
 
 
