@@ -2,13 +2,17 @@
 
     python cuda_agent.py train                          # all four training stages, tiny preset (CPU, offline)
     python cuda_agent.py train --preset paper           # the paper's recipe on a real MoE (GPU node)
-    python cuda_agent.py check TASK SOLUTION [--sandbox.device cpu|cuda] [--reward speedup] [--json]
-    python cuda_agent.py solve TASK --policy.kind replay|hf|openai [--env.max-turns N] [--sandbox.device cuda]
+    python cuda_agent.py check TASK SOLUTION [--sandbox.device auto|cpu|cuda] [--reward speedup] [--json]
+    python cuda_agent.py solve TASK --policy.kind replay|hf|openai [--env.max-turns N] [--out DIR]
     python cuda_agent.py synth [--n-candidates N] [--out data/synth.jsonl]
     python kernelbench_eval.py --level 2                # KernelBench evaluation (its own entry point)
 
 Configs nest the configs of the parts they drive (`--env.max-turns`, `--sandbox.atol`, `--policy.model`);
 the string under each dataclass field is its `--help`. `python cuda_agent.py CMD --help` lists them.
+--sandbox.device auto (every command's default) is cuda when torch lists a GPU, else cpu.
+
+Exit codes: check 0 correct (PASS), 1 not correct (FAIL); solve 0 a correct solution was found, 1 none;
+train and synth 0 finished; every command 2 on bad arguments or an infrastructure error (one line, no traceback).
 
 Departures from the paper: none here; this file parses flags, dispatches, and runs `solve`.
 """
@@ -51,8 +55,8 @@ class CheckConfig:
     """print one JSON verdict as the last stdout line"""
     reward: str = "milestone"
     """reward kind reported with the verdict (reward.py): milestone (Eq. 1) | speedup"""
-    sandbox: sandbox.SandboxConfig = field(default_factory=sandbox.SandboxConfig)
-    """how the solution is compiled, verified and timed"""
+    sandbox: sandbox.SandboxConfig = field(default_factory=lambda: sandbox.SandboxConfig(device="auto"))
+    """how the solution is compiled, verified and timed (--sandbox.device auto | cpu | cuda)"""
 
 
 def _fmt_ms(x):
@@ -85,17 +89,19 @@ def print_verdict(v: dict) -> None:
 
 
 def check(cfg: CheckConfig) -> int:
-    """Compile, verify and profile one solution; 0 when it could be judged, 2 on bad input."""
+    """Compile, verify and profile one solution: 0 correct (PASS), 1 not correct (FAIL), 2 bad input or a
+    sandbox failure (one line on stderr)."""
     for what, path in (("task file", cfg.task), ("solution", cfg.solution)):
         if not os.path.exists(path):
-            print(f"error: {what} not found: {path}", file=sys.stderr)
-            return 2
+            raise env.UsageError(f"{what} not found: {path}")
+    if cfg.reward not in ("milestone", "speedup"):
+        raise env.UsageError(f"--reward must be milestone | speedup, got {cfg.reward!r}")
+    sb = dataclasses.replace(cfg.sandbox, device=env.resolve_device(cfg.sandbox.device))
     try:
-        task = sandbox.load_task(cfg.task, device=cfg.sandbox.device)
-        verdict = sandbox.check(task, cfg.solution, cfg.sandbox).to_dict()
+        task = sandbox.load_task(cfg.task, device=sb.device)
     except sandbox.TaskError as e:  # a bad task, or the reference itself failed on this device
-        print(f"error: bad task {cfg.task}: {e}", file=sys.stderr)
-        return 2
+        raise sandbox.TaskError(f"bad task {cfg.task}: {e}") from None
+    verdict = sandbox.check(task, cfg.solution, sb).to_dict()
     verdict["reward"] = reward.reward_from_verdict(verdict, cfg.reward)
     missing = [k for k in CHECK_KEYS if k not in verdict]
     assert not missing, f"sandbox verdict lacks contract keys {missing}"
@@ -103,12 +109,20 @@ def check(cfg: CheckConfig) -> int:
         print(json.dumps(verdict, default=str))
     else:
         print_verdict(verdict)
-    return 0
+    return 0 if verdict["compiled"] and verdict["correct"] and not verdict["violation"] else 1
 
 
 # --------------------------------------------------------------------------------------------------
 # solve: one episode from the command line, with a live transcript
 # --------------------------------------------------------------------------------------------------
+
+
+def solve_env() -> env.EnvConfig:
+    """solve's episode budget, sized for this machine: the paper's 150 turns with a GPU; 20 turns and 32k
+    tokens on a CPU-only machine, where every turn of a local model and every check is slow."""
+    if env.resolve_device("auto") == "cuda":
+        return env.EnvConfig()
+    return env.EnvConfig(max_turns=20, max_context_tokens=32768)
 
 
 @dataclass
@@ -123,28 +137,35 @@ class SolveConfig:
     """do not print the live transcript"""
     policy: policy.PolicyConfig = field(default_factory=policy.PolicyConfig)
     """who acts"""
-    env: env.EnvConfig = field(default_factory=env.EnvConfig)
-    """the episode (its work_dir is OUT/workspaces)"""
-    sandbox: sandbox.SandboxConfig = field(default_factory=sandbox.SandboxConfig)
-    """where and how candidates run (--sandbox.device cuda for CUDA kernels)"""
+    env: env.EnvConfig = field(default_factory=solve_env)
+    """the episode (its work_dir is OUT/workspaces; budgets sized for this machine, see solve_env)"""
+    sandbox: sandbox.SandboxConfig = field(default_factory=lambda: sandbox.SandboxConfig(device="auto"))
+    """where and how candidates run (--sandbox.device auto: cuda kernels with a GPU, C++ without)"""
 
 
 def print_event(eid: int, kind: str, text: str) -> None:
     """The live transcript: one block per assistant turn, tool result and verdict."""
     color = {"assistant": "\033[36m", "tool": "\033[33m", "error": "\033[31m", "verdict": "\033[32m"}[kind]
+    reset = "\033[0m"
+    if not sys.stdout.isatty() or os.environ.get("NO_COLOR"):  # a file or a pipe gets plain text
+        color = reset = ""
     body = text if kind == "assistant" else tools.truncate(text, 1500)
-    print(f"{color}[{eid}] {kind}\033[0m {body}", flush=True)
+    print(f"{color}[{eid}] {kind}{reset} {body}", flush=True)
 
 
 def solve(cfg: SolveConfig) -> int:
-    """One episode on one task. Returns 0 if a correct solution was found, 1 if not, 2 on bad input."""
+    """One episode on one task. Returns 0 if a correct solution was found, 1 if not; bad input (checked
+    before any model is loaded) and sandbox failures raise, and main() turns them into one line and 2."""
+    if not os.path.isfile(cfg.task):
+        raise env.UsageError(f"task file not found: {cfg.task}")
+    if why := policy.policy_problem(cfg.policy):
+        raise env.UsageError(why)
+    sb = dataclasses.replace(cfg.sandbox, seed=cfg.seed, device=env.resolve_device(cfg.sandbox.device))
     try:
         sandbox.load_task(cfg.task)
         task = tasks.task_from_file(cfg.task)
     except (sandbox.TaskError, OSError) as e:
-        print(f"bad task {cfg.task}: {e}", file=sys.stderr)
-        return 2
-    sb = dataclasses.replace(cfg.sandbox, seed=cfg.seed)
+        raise sandbox.TaskError(f"bad task {cfg.task}: {e}") from None
     pol = policy.make_policy(cfg.policy, device=sb.device, seed=cfg.seed)
     ecfg = dataclasses.replace(cfg.env, work_dir=os.path.join(cfg.out, "workspaces"))
     pool = sandbox.SandboxPool(sb)
@@ -224,7 +245,15 @@ def main(argv: list[str] | None = None) -> int:
     if cmd not in COMMANDS:
         print(f"error: unknown command {cmd!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
-    return COMMANDS[cmd](rest)
+    # torch.compile's cache goes under the project cache, not $TMPDIR/torchinductor_$USER
+    cache = os.path.expanduser(os.environ.get("CUDA_AGENT_CACHE", "~/.cache/cuda_agent"))
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache, "inductor"))
+    try:
+        return COMMANDS[cmd](rest)
+    except (env.UsageError, sandbox.TaskError, sandbox.SandboxError, FileNotFoundError) as e:
+        # bad input or the sandbox's own failure: one line, no traceback (argument errors: tyro, also 2)
+        print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

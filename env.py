@@ -228,6 +228,21 @@ class EnvConfig:
     """profile adds a short Nsight Compute kernel summary when device is cuda and `ncu` is on PATH"""
 
 
+class UsageError(ValueError):
+    """Bad arguments, found before any work: the commands print str(e), one line naming the flag, and exit 2."""
+
+
+def resolve_device(device: str) -> str:
+    """Every command's `--sandbox.device`: "auto" -> "cuda" when torch lists a GPU, else "cpu"; "cpu" and
+    "cuda" pass through. UsageError for anything else."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise UsageError(f"--sandbox.device must be auto | cpu | cuda, got {device!r}")
+    if device != "auto":
+        return device
+    import torch   # here, not at the top: the environment itself never touches a GPU
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 class Episode:
     """One task's workspace, conversation and bookkeeping. step() applies one Action. The sandbox config
     `sb_cfg` sets the kernel backend (sb_cfg.device: cpu -> kernels/*.cpp, cuda -> kernels/*.cu)."""

@@ -13,6 +13,10 @@ Departures from the paper / KernelBench
   4. A best solution that was only verified is profiled once more, so its speedups are measured.
   5. The sandbox's memory cap is 64 GB per child here (KernelBench L1 tensors reach 8 GB).
 
+Problems: --kernelbench-dir, else --hf-dataset, else $KERNELBENCH_DIR, else ./KernelBench (a clone of
+github.com/ScalingIntelligence/KernelBench); the hub only when named. Exit codes: 0 the run finished and
+wrote its report (whatever the pass rate), 2 bad arguments or an infrastructure error, before any scoring.
+
 Smoke (CPU, fixtures, samples mode):
   python kernelbench_eval.py --kernelbench-dir tests/fixtures/kernelbench --level 1 2 \
       --samples-dir tests/fixtures/kernelbench/samples --sandbox.device cpu --sandbox.no-profile --out runs/kb_smoke
@@ -69,9 +73,11 @@ class EvalConfig:
     level: list[int] = field(default_factory=lambda: [1])
     """KernelBench levels to evaluate (1..4)"""
     kernelbench_dir: str | None = None
-    """local KernelBench checkout: a folder holding KernelBench/level{N}/{id}_{Name}.py (or level{N}/ itself)"""
-    hf_dataset: str = "ScalingIntelligence/KernelBench"
-    """used when --kernelbench-dir is unset: HF hub name (needs `datasets`), a save_to_disk folder, or a .jsonl"""
+    """local KernelBench checkout: a folder holding KernelBench/level{N}/{id}_{Name}.py (or level{N}/ itself);
+    unset: $KERNELBENCH_DIR, else ./KernelBench"""
+    hf_dataset: str | None = None
+    """instead of a checkout: a .jsonl in the HF schema, a save_to_disk folder, or a hub id such as
+    ScalingIntelligence/KernelBench (needs `pip install datasets` and the hub)"""
     problems: list[int] = field(default_factory=list)
     """problem ids to keep (empty: all problems of each level)"""
     subset: str = "all"
@@ -83,7 +89,8 @@ class EvalConfig:
     batch: int = 8
     """agent mode: problems whose episodes run together (one batched policy call per turn)"""
     out: str = "runs/kernelbench"
-    """output folder: summary.json, results.jsonl, report.md, speedup_distribution.png"""
+    """output folder: config.json, summary.json, results.jsonl, report.md, speedup_distribution.png; it holds
+    one run: another mode, policy, sample set, level or device there is refused"""
     gpus: list[int] = field(default_factory=list)
     """GPU ids for the sandbox pool (empty: all visible GPUs / none on cpu)"""
     prewarm_workers: int = 8
@@ -100,10 +107,66 @@ class EvalConfig:
     env: env.EnvConfig = field(default_factory=lambda: env.EnvConfig(max_turns=200))
     """agent mode: the episode (paper: 200 turns in evaluation); its work_dir is OUT/workspaces and its final
     check follows --sandbox.profile"""
-    sandbox: sandbox.SandboxConfig = field(default_factory=lambda: sandbox.SandboxConfig(device="cuda",
+    sandbox: sandbox.SandboxConfig = field(default_factory=lambda: sandbox.SandboxConfig(device="auto",
                                                                                          mem_limit_mb=65536))
-    """how candidates are judged: --sandbox.device cuda | cpu (cpu for smoke tests only), --sandbox.atol,
+    """how candidates are judged: --sandbox.device auto | cuda | cpu (cpu for smoke tests only), --sandbox.atol,
     --sandbox.no-profile (correctness only), --sandbox.mem-limit-mb (KernelBench L1 inputs reach 8 GB)"""
+
+
+# --------------------------------------------------------------------------------------------------
+# arguments and the run folder: checked before any model, task or sandbox is loaded
+# --------------------------------------------------------------------------------------------------
+
+def prepare(cfg: EvalConfig) -> EvalConfig:
+    """cfg with its device and problem source resolved; env.UsageError (one line naming the flag) if it
+    cannot run. Cheap: no model, task or sandbox is touched."""
+    source = tasks.find_kernelbench(cfg.kernelbench_dir, cfg.hf_dataset)   # first: what a new user lacks first
+    dev = env.resolve_device(cfg.sandbox.device)
+    if dev == "cuda":
+        n = torch.cuda.device_count()
+        if not n:
+            raise env.UsageError("--sandbox.device cuda, but torch sees no GPU: use --sandbox.device cpu (smoke) or auto")
+        if any(not 0 <= g < n for g in cfg.gpus):
+            raise env.UsageError(f"--gpus {cfg.gpus}: this machine has GPUs 0..{n - 1}")
+    bad = [lv for lv in cfg.level if lv not in (1, 2, 3, 4)]
+    if bad or not cfg.level:
+        raise env.UsageError(f"--level {cfg.level}: levels are 1 2 3 4")
+    if cfg.subset not in ("all", "representative"):
+        raise env.UsageError(f"--subset must be all | representative, got {cfg.subset!r}")
+    if cfg.samples_dir is not None and not os.path.isdir(cfg.samples_dir):
+        raise env.UsageError(f"--samples-dir: no such directory {cfg.samples_dir}")
+    if cfg.samples_dir is None and (why := policy.policy_problem(cfg.policy)):
+        raise env.UsageError(f"{why}; or pass --samples-dir DIR to score pre-generated kernels")
+    return dataclasses.replace(cfg, kernelbench_dir=source, hf_dataset=None,
+                               sandbox=dataclasses.replace(cfg.sandbox, device=dev))
+
+
+def run_key(cfg: EvalConfig) -> dict:
+    """What results in OUT belong to: a run with another key never resumes from them (records would mix)."""
+    return {"mode": "samples" if cfg.samples_dir else "agent", "level": sorted(cfg.level),
+            "samples_dir": os.path.abspath(cfg.samples_dir) if cfg.samples_dir else None,
+            "policy": None if cfg.samples_dir else [cfg.policy.kind, cfg.policy.model, cfg.policy.adapter,
+                                                    cfg.policy.script],
+            "device": cfg.sandbox.device}
+
+
+def claim_out(cfg: EvalConfig, res_path: str) -> None:
+    """Refuse to resume another run's results (env.UsageError); else record this run's key in OUT/config.json.
+    --no-resume moves old results aside first."""
+    cfg_path, key = os.path.join(cfg.out, "config.json"), run_key(cfg)
+    if cfg.resume and os.path.exists(res_path):
+        old = json.load(open(cfg_path)).get("run") if os.path.exists(cfg_path) else None
+        if old != key:
+            diff = ", ".join(f"{k} {old[k]} -> {key[k]}" for k in key if old.get(k) != key[k]) if old else \
+                "results.jsonl without config.json"
+            raise env.UsageError(f"{cfg.out} holds another run ({diff}): pass --out NEW_DIR, or --no-resume to "
+                                 "start afresh there (old results kept as results.jsonl.*.bak)")
+    if not cfg.resume and os.path.exists(res_path):
+        os.replace(res_path, res_path + f".{int(time.time())}.bak")
+    os.makedirs(cfg.out, exist_ok=True)
+    with open(cfg_path + ".tmp", "w") as f:
+        json.dump({"run": key, "config": dataclasses.asdict(cfg)}, f, indent=2, default=str)
+    os.replace(cfg_path + ".tmp", cfg_path)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -113,7 +176,6 @@ class EvalConfig:
 
 def load_problems(cfg: EvalConfig) -> list[Task]:
     """All problems of the chosen levels, filtered by --problems and --subset, sorted by (level, id)."""
-    assert cfg.subset in ("all", "representative"), f"--subset must be all|representative, got {cfg.subset!r}"
     out = []
     for level in cfg.level:
         probs = tasks.load_kernelbench(cfg.kernelbench_dir or cfg.hf_dataset, [level])
@@ -375,9 +437,8 @@ def plot_speedups(path: str, records: list[dict]) -> None:
 def make_pool(cfg: EvalConfig, scfg):
     """The trainer's sandbox pool (compiles on CPU cores, verify/profile one job per GPU)."""
     gpus = None
-    if cfg.sandbox.device == "cuda":
+    if cfg.sandbox.device == "cuda":  # prepare() has checked that torch lists these GPUs
         gpus = cfg.gpus or list(range(torch.cuda.device_count()))
-        assert gpus, "--device cuda but no GPU is visible"
     return sandbox.SandboxPool(scfg, gpus=gpus)
 
 
@@ -489,23 +550,32 @@ def sandbox_config(cfg: EvalConfig):
 
 
 def main(cfg: EvalConfig) -> int:
-    assert cfg.sandbox.device in ("cuda", "cpu"), f"--sandbox.device must be cuda|cpu, got {cfg.sandbox.device!r}"
-    assert cfg.samples_dir is None or os.path.isdir(cfg.samples_dir), f"no samples dir {cfg.samples_dir}"
-    try:
-        problems = load_problems(cfg)
-    except (FileNotFoundError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if cfg.samples_dir and cfg.samples_only:
-        found = find_samples(cfg.samples_dir)
-        problems = [p for p in problems if (p.level, p.problem_id) in found]
-    if not problems:
-        print("error: no problems selected", file=sys.stderr)
-        return 2
-    os.makedirs(cfg.out, exist_ok=True)
+    """Score, then write the report. 0: the run finished (whatever the pass rate); 2: bad arguments or an
+    infrastructure error (one line on stderr, no traceback)."""
     res_path = os.path.join(cfg.out, "results.jsonl")
-    if not cfg.resume and os.path.exists(res_path):
-        os.replace(res_path, res_path + f".{int(time.time())}.bak")
+    # torch.compile's cache goes under the sandbox cache, not $TMPDIR/torchinductor_$USER
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.expanduser(cfg.sandbox.cache_dir), "inductor"))
+    try:
+        cfg = prepare(cfg)
+        problems = load_problems(cfg)
+        if cfg.samples_dir and cfg.samples_only:
+            found = find_samples(cfg.samples_dir)
+            problems = [p for p in problems if (p.level, p.problem_id) in found]
+        if not problems:
+            raise env.UsageError(f"no problems selected (levels {cfg.level}, --problems {cfg.problems}, "
+                                 f"--subset {cfg.subset})")
+        claim_out(cfg, res_path)
+    except (env.UsageError, sandbox.TaskError, OSError, RuntimeError) as e:  # OSError: also the hub's ConnectionError
+        print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        return 2
+    try:
+        return _run(cfg, problems, res_path)
+    except sandbox.SandboxError as e:   # the sandbox's own failure (a child that cannot start): not a verdict
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+
+
+def _run(cfg: EvalConfig, problems: list[Task], res_path: str) -> int:
     done = read_results(res_path)
     todo = [p for p in problems if (p.level, p.problem_id) not in done
             or done[(p.level, p.problem_id)].get("harness_error")]
@@ -567,4 +637,7 @@ def main(cfg: EvalConfig) -> int:
 
 if __name__ == "__main__":
     import tyro   # the command line only: library users of this module do not need it
-    sys.exit(main(tyro.cli(EvalConfig, description="KernelBench evaluation: paper Table 1 metrics + fast_p.")))
+    sys.exit(main(tyro.cli(EvalConfig, description="KernelBench evaluation: paper Table 1 metrics + fast_p. "
+                           "Problems from --kernelbench-dir, --hf-dataset, $KERNELBENCH_DIR or ./KernelBench. "
+                           "Exit codes: 0 the run finished (whatever the pass rate), 2 bad arguments or an "
+                           "infrastructure error.")))

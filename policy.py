@@ -442,6 +442,24 @@ class PolicyConfig:
     """sampling temperature (0: greedy)"""
 
 
+def policy_problem(cfg: PolicyConfig) -> str | None:
+    """What `cfg` lacks to build a policy, as one line naming the flag that supplies it (None: nothing).
+    Commands call it while validating arguments, before any model, task or sandbox is loaded."""
+    if cfg.kind not in ("replay", "hf", "openai"):
+        return f"unknown --policy.kind {cfg.kind!r}: choose replay | hf | openai"
+    if cfg.kind == "replay" and not cfg.script:
+        return ("--policy.kind replay (the default) needs --policy.script FILE (a trajectory JSONL or a JSON list of "
+                "assistant messages); for a model pass --policy.kind hf --policy.model PATH|tiny")
+    if cfg.kind == "replay" and not os.path.isfile(cfg.script):
+        return f"--policy.script: no such file {cfg.script}"
+    if cfg.kind in ("hf", "openai") and not cfg.model:
+        what = "a checkpoint path, or 'tiny'" if cfg.kind == "hf" else "the served model name"
+        return f"--policy.kind {cfg.kind} needs --policy.model ({what})"
+    if cfg.kind == "hf" and cfg.adapter and not os.path.isdir(cfg.adapter):
+        return f"--policy.adapter: no such directory {cfg.adapter}"
+    return None
+
+
 def make_policy(cfg: PolicyConfig, device: str = "cpu", seed: int = 0, engine: bool = True):
     """The policy `cfg` describes. device: where an hf model runs (cuda: bf16); engine: for "hf", sample
     through generate.Engine (KV cache reused across turns) instead of the re-encoding `model.generate` loop."""

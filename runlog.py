@@ -3,9 +3,11 @@
   * `save_checkpoint` / `load_checkpoint`: both LoRA adapters, the value head, the optimizers, every RNG, the
     stage and step, and the resolved config, written to run_dir/checkpoint.pt through a temporary file and
     os.replace (a kill leaves the previous checkpoint intact).
-  * `Logger`: one printed line per step, one JSON row per step in metrics.jsonl, optional TensorBoard
-    (an optional dependency, behind --tensorboard); `truncate_metrics` drops rows past a resumed checkpoint.
-  * `plot_curves`: reward mean and critic explained variance per step, one colour per stage.
+  * `Logger`: a tqdm bar per stage (the step's key numbers in its postfix; the full line per step with
+    --verbose), one JSON row per step in metrics.jsonl, optional TensorBoard (behind --tensorboard);
+    `truncate_metrics` drops rows past a resumed checkpoint.
+  * `summary`: the end-of-run table, one row per stage; `plot_curves`: curves.png, reward and pass rate
+    beside the critic's explained variance, stage boundaries and the demonstrations' share marked.
 
 Departures from the paper: none; the paper does not describe its tooling.
 
@@ -23,6 +25,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 from peft import get_peft_model_state_dict, set_peft_model_state_dict
+from tqdm import tqdm
 
 STAGES = {1: "warmup", 2: "rft", 3: "value", 4: "agentic"}   # the four stages of §3.3, in order
 
@@ -72,13 +75,41 @@ def truncate_metrics(path: str, stage: int, step: int) -> None:
 
 
 class Logger:
-    """One line per step on stdout, metrics.jsonl, and TensorBoard when asked (rank 0 only: `enabled`)."""
+    """A tqdm bar per stage, metrics.jsonl, and TensorBoard when asked (rank 0 only: `enabled`). The bar's
+    postfix holds the last step's reward and pass rate and the phase now running (a step can take a minute
+    on a CPU); `verbose` also prints every step's full line."""
 
-    def __init__(self, run_dir: str, tensorboard: bool, enabled: bool):
+    KEYS = ("reward_mean", "pass_rate", "entropy", "clipfrac", "approx_kl", "explained_variance",
+            "heldout_explained_variance", "sft_nll", "v_loss", "n_kept", "gen_tok_s", "train_tok_s")
+    SHORT = {"reward_mean": "reward", "pass_rate": "pass", "heldout_explained_variance": "ev_heldout",
+             "explained_variance": "ev", "sft_nll": "nll", "v_loss": "v_loss", "n_kept": "kept"}
+
+    def __init__(self, run_dir: str, tensorboard: bool, enabled: bool, verbose: bool = False):
         self.path, self.enabled, self.t0, self.tb = os.path.join(run_dir, "metrics.jsonl"), enabled, time.time(), None
+        self.verbose, self.bar, self.post = verbose, None, {}
         if enabled and tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # optional dependency, behind --tensorboard
             self.tb = SummaryWriter(os.path.join(run_dir, "tb"))
+
+    def start_stage(self, stage: int, total: int, initial: int = 0) -> None:
+        self.close()
+        if self.enabled:
+            self.bar = tqdm(total=max(total, initial), initial=initial, desc=f"{stage}) {STAGES[stage]}",
+                            unit="step", dynamic_ncols=True)
+            self.post = {}
+
+    def phase(self, name: str) -> None:
+        """Show what the current step is doing (rollout, update, ...) in the bar's postfix."""
+        if self.bar is not None:
+            self.bar.set_postfix(self.post | {"now": name})
+
+    def write(self, line: str) -> None:
+        (self.bar.write if self.bar is not None else print)(line)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
     def log(self, stage: int, step: int, m: dict) -> None:
         if not self.enabled:
@@ -87,35 +118,117 @@ class Logger:
                **{k: (round(v, 5) if isinstance(v, float) else v) for k, v in m.items()}}
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
-        keys = ("reward_mean", "pass_rate", "entropy", "clipfrac", "approx_kl", "explained_variance",
-                "heldout_explained_variance", "sft_nll", "v_loss", "n_kept", "gen_tok_s", "train_tok_s")
-        print(f"[{stage}) {STAGES[stage]:7s} step {step:3d}] " + " ".join(
-            f"{k} {m[k]:.3g}" for k in keys if isinstance(m.get(k), (int, float))) + f" | {row['time_s']:.0f}s",
-            flush=True)
+        nums = {k: m[k] for k in self.KEYS if isinstance(m.get(k), (int, float))}
+        if self.verbose:
+            self.write(f"[{stage}) {STAGES[stage]:7s} step {step:3d}] " +
+                       " ".join(f"{k} {v:.3g}" for k, v in nums.items()) + f" | {row['time_s']:.0f}s")
+        if self.bar is not None:
+            self.post = {self.SHORT[k]: f"{v:.3g}" for k, v in nums.items() if k in self.SHORT}
+            self.bar.set_postfix(self.post)
+            self.bar.update(1)
         if self.tb:
             for k, v in m.items():
                 if isinstance(v, (int, float)):
                     self.tb.add_scalar(f"{STAGES[stage]}/{k}", v, step)
 
 
-def plot_curves(run_dir: str) -> str:
-    """curves.png: reward mean and critic explained variance per step, one colour per stage."""
+def _rows(run_dir: str) -> list[dict]:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(x) for x in f if x.strip()]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, key in zip(axes, ("reward_mean", "explained_variance")):
-        for s in STAGES:
-            # stage 3 plots its held-out explained variance; the other stages the batch's
-            pts = [(i, r.get("heldout_" + key, r.get(key))) for i, r in enumerate(rows) if r["stage"] == s]
-            pts = [(i, v) for i, v in pts if isinstance(v, (int, float)) and v == v]
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=f"{s}) {STAGES[s]}", color=f"C{s - 1}")  # one colour a stage
-        ax.set_xlabel("logged step (all stages)")
-        ax.set_title(key + (" (stage 3: held-out)" if key == "explained_variance" else ""))
-        ax.legend()
+        return [json.loads(x) for x in f if x.strip()]
+
+
+def _fmt(v, spec: str = ".2f") -> str:
+    return format(v, spec) if isinstance(v, (int, float)) and v == v else "-"
+
+
+def summary(run_dir: str) -> str:
+    """The end-of-run table: per stage its steps, mean reward first -> last, pass rate (mean over steps, of
+    policy and demo episodes alike), RFT trajectories kept, explained variance (stage 3: held-out) and seconds."""
+    rows, out, t_prev = _rows(run_dir), [], 0.0
+    out.append(f"{'stage':12s} {'steps':>5s} {'reward first->last':>19s} {'pass':>5s} {'kept':>5s} "
+               f"{'expl.var':>8s} {'seconds':>8s}")
+    for s, name in STAGES.items():
+        rs = [r for r in rows if r["stage"] == s]
+        if not rs:
+            continue
+        rew = [r["reward_mean"] for r in rs if "reward_mean" in r]
+        passes = [r["pass_rate"] for r in rs if "pass_rate" in r]
+        kept = next((r["n_kept"] for r in rs if "n_kept" in r), None)
+        ev = rs[-1].get("heldout_explained_variance", rs[-1].get("explained_variance"))
+        first_last = f"{_fmt(rew[0], '+.2f')} -> {_fmt(rew[-1], '+.2f')}" if rew else "-"
+        secs = rs[-1]["time_s"] - min(t_prev, rs[0]["time_s"])
+        t_prev = rs[-1]["time_s"]
+        pass_mean = sum(passes) / len(passes) if passes else None
+        out.append(f"{f'{s}) {name}':12s} {len(rs):5d} {first_last:>19s} {_fmt(pass_mean):>5s} "
+                   f"{_fmt(kept, '.0f'):>5s} {_fmt(ev):>8s} {secs:8.0f}")
+    return "\n".join(out)
+
+
+def mark_stages(ax, bounds: list[tuple[int, int, str]], demo_share: dict | None = None) -> None:
+    """Dashed lines between stages, each stage's name at the top, and grey shading over the steps whose
+    batches held demonstrations ("demos 25% of batch"). bounds: (first x, last x, label) per stage;
+    demo_share: stage label -> share. Also usable by any plot over logged steps."""
+    for i, (x0, x1, label) in enumerate(bounds):
+        if i:
+            ax.axvline(x0 - 0.5, color="grey", ls="--", lw=0.8)
+        ax.text((x0 + x1) / 2, 1.0, label, transform=ax.get_xaxis_transform(), ha="center", va="bottom",
+                fontsize=8)
+        share = (demo_share or {}).get(label)
+        if share == 0:  # the stage rolls out the policy alone: a drop here is the demonstrations leaving
+            ax.text((x0 + x1) / 2, 0.97, "no demos", transform=ax.get_xaxis_transform(), ha="center",
+                    va="top", fontsize=7, color="dimgrey")
+        elif share:
+            ax.axvspan(x0 - 0.5, x1 + 0.5, color="grey", alpha=0.12, lw=0)
+            ax.text((x0 + x1) / 2, 0.97, f"demos {share:.0%}\nof batch", transform=ax.get_xaxis_transform(),
+                    ha="center", va="top", fontsize=7, color="dimgrey")
+
+
+def plot_curves(run_dir: str) -> str:
+    """curves.png. Left: reward mean (Eq. 1 tiers -1..3, fixed y-limits) and pass rate (right axis) per
+    logged step; right: the critic's explained variance (stage 3: held-out). Stage boundaries are marked and
+    the steps whose batches mixed in demonstrations are shaded: the drop when they stop is not the policy."""
+    rows = _rows(run_dir)
+    fig, (ax, ax_ev) = plt.subplots(1, 2, figsize=(12, 4.5))
+    ax_pass = ax.twinx()
+    bounds, share = [], {}
+    for s in STAGES:
+        xs = [i for i, r in enumerate(rows) if r["stage"] == s]
+        if not xs:
+            continue
+        label = f"{s}) {STAGES[s]}"
+        bounds.append((xs[0], xs[-1], label))
+        shares = [rows[i].get("n_demo", 0) / rows[i]["n"] for i in xs if rows[i].get("n")]
+        share[label] = max(shares) if shares else None  # None: no rollouts in this stage
+        rew = [(i, rows[i]["reward_mean"]) for i in xs if isinstance(rows[i].get("reward_mean"), (int, float))]
+        pas = [(i, rows[i]["pass_rate"]) for i in xs if isinstance(rows[i].get("pass_rate"), (int, float))]
+        ev = [(i, rows[i].get("heldout_explained_variance", rows[i].get("explained_variance"))) for i in xs]
+        ev = [(i, v) for i, v in ev if isinstance(v, (int, float)) and v == v]
+        if rew:
+            ax.plot(*zip(*rew), marker="o", color="C0", label="reward mean" if s == 1 or not ax.lines else None)
+        if pas:
+            ax_pass.plot(*zip(*pas), marker="s", ls=":", color="C2",
+                         label="pass rate" if not ax_pass.lines else None)
+        if ev:
+            ax_ev.plot(*zip(*ev), marker="o", color=f"C{s - 1}")
+    ax.set_ylim(-1.2, 3.2)
+    ax.set_yticks([-1, 0, 1, 2, 3])
+    ax.set_ylabel("reward mean (Eq. 1)")
+    ax_pass.set_ylim(-0.05, 1.05)
+    ax_pass.set_ylabel("pass rate (correct share)", color="C2")
+    ax_ev.set_ylim(bottom=min(-1.0, ax_ev.get_ylim()[0]), top=1.05)
+    ax_ev.axhline(0, color="grey", lw=0.6)
+    ax_ev.set_ylabel("explained variance (1 = perfect, 0 = mean)")
+    for a, title in ((ax, "reward (-1 fail, 1 correct, 2 > eager, 3 > compile) and pass rate"),
+                     (ax_ev, "critic explained variance (stage 3: held-out)")):
+        mark_stages(a, bounds, share)
+        a.set_xlabel("logged step (all stages)")
+        a.xaxis.get_major_locator().set_params(integer=True)
+        a.set_title(title, pad=16)
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = ax_pass.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, loc="center left", fontsize=8)
     path = os.path.join(run_dir, "curves.png")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
-

@@ -7,6 +7,7 @@ A `Task` is one PyTorch reference program in KernelBench format (`class Model`, 
   * `load_kernelbench(source, levels)`: KernelBench problems (paper §4.1) from a checkout
     (`KernelBench/level{N}/{id}_{Name}.py`), a .jsonl in the HF schema (code, level, name, problem_id),
     a `save_to_disk` folder, or the HF hub id `ScalingIntelligence/KernelBench`;
+  * `find_kernelbench(dir, hf)`: where KernelBench is (flag, $KERNELBENCH_DIR, ./KernelBench), failing fast;
   * `task_from_file(path)`: one task .py (the `check` and `solve` commands).
 A `Trajectory` is one agent episode as the environment recorded it (messages, token ids, policy mask,
 verdicts); `save_trajectories` / `load_trajectories` round-trip it through JSONL exactly. `load_demos`
@@ -24,9 +25,13 @@ from __future__ import annotations
 import ast
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import os
 import re
+import socket
+import threading
+import urllib.parse
 from dataclasses import dataclass, field
 
 OPS6K_ID = "BytedTsinghua-SIA/CUDA-Agent-Ops-6K"   # columns: code, ops, data_source ("torch#k" | "transformers")
@@ -202,6 +207,52 @@ def _hf_level(source: str, level: int) -> list[Task]:
         out.append(Task(code=r["code"], name=re.sub(r"^\d+_", "", str(r["name"])).removesuffix(".py"), level=level,
                         problem_id=int(r["problem_id"]), data_source="kernelbench"))
     return out
+
+
+NO_KERNELBENCH = ("no KernelBench found: pass --kernelbench-dir PATH to a clone of "
+                  "github.com/ScalingIntelligence/KernelBench, set $KERNELBENCH_DIR, clone it to ./KernelBench, or "
+                  f"pass --hf-dataset {KERNELBENCH_ID} (needs `pip install datasets` and the hub)")
+
+
+def _hub_reachable(timeout_s: float = 5.0) -> bool:
+    """One TCP connect to the hub (HF_ENDPOINT) on a daemon thread, so a hanging DNS lookup costs timeout_s."""
+    host = urllib.parse.urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname
+    ok = []
+
+    def probe():
+        try:
+            socket.create_connection((host, 443), timeout_s).close()
+            ok.append(True)
+        except OSError:
+            pass
+    t = threading.Thread(target=probe, daemon=True)
+    t.start()
+    t.join(timeout_s + 1)
+    return bool(ok)
+
+
+def find_kernelbench(kernelbench_dir: str | None = None, hf_dataset: str | None = None) -> str:
+    """The source load_kernelbench should read: kernelbench_dir, else hf_dataset, else $KERNELBENCH_DIR, else
+    ./KernelBench; the hub only when named. Fails fast with one line naming the flag that fixes it:
+    FileNotFoundError when nothing is there, RuntimeError when a hub id lacks `datasets` or the hub."""
+    if kernelbench_dir:
+        if not os.path.isdir(os.path.expanduser(kernelbench_dir)):
+            raise FileNotFoundError(f"--kernelbench-dir: no such directory {kernelbench_dir}")
+        return kernelbench_dir
+    if hf_dataset:
+        if os.path.exists(os.path.expanduser(hf_dataset)) or not _is_hub_id(hf_dataset):
+            return hf_dataset
+        if importlib.util.find_spec("datasets") is None:   # optional: only a hub id needs it
+            raise RuntimeError(f"--hf-dataset {hf_dataset} needs `pip install datasets` (or pass "
+                               "--kernelbench-dir PATH to a KernelBench clone)")
+        if os.environ.get("HF_HUB_OFFLINE", "0") in ("0", "") and not _hub_reachable():
+            raise RuntimeError(f"--hf-dataset {hf_dataset}: the hub is not reachable (HF_HUB_OFFLINE=1 reads the "
+                               "local cache; or pass --kernelbench-dir PATH to a KernelBench clone)")
+        return hf_dataset
+    for path in (os.environ.get("KERNELBENCH_DIR"), "KernelBench"):
+        if path and os.path.isdir(os.path.expanduser(path)):
+            return path
+    raise FileNotFoundError(NO_KERNELBENCH)
 
 
 def load_kernelbench(source: str = KERNELBENCH_ID, levels: list[int] | None = None) -> list[Task]:

@@ -68,4 +68,4 @@ def test_check_prints_the_reward_computed_by_reward_py(tmp_path, capsys):
     rc = main(["check", task, str(sol), "--json", "--sandbox.no-profile", "--sandbox.cache-dir", str(tmp_path / "c"),
                "--reward", "speedup"])
     v = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert rc == 0 and v["violation"] and v["reward"] == -1.0
+    assert rc == 1 and v["violation"] and v["reward"] == -1.0                 # FAIL: exit 1

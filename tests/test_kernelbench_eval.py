@@ -16,6 +16,7 @@ import pytest
 
 import kernelbench_eval as kb
 import sandbox
+from policy import PolicyConfig
 from tasks import Task
 
 CPU = sandbox.SandboxConfig(device="cpu")
@@ -135,7 +136,7 @@ def test_hf_hub_path_calls_datasets_with_split(monkeypatch):
     fake.load_dataset = lambda name, split: calls.append((name, split)) or [r for r in _rows() if r["level"] == 2]
     fake.load_from_disk = lambda path: pytest.fail("not a folder")
     monkeypatch.setitem(sys.modules, "datasets", fake)
-    ps = kb.load_problems(kb.EvalConfig(level=[2], problems=[80]))
+    ps = kb.load_problems(kb.EvalConfig(level=[2], problems=[80], hf_dataset="ScalingIntelligence/KernelBench"))
     assert calls == [("ScalingIntelligence/KernelBench", "level_2")]
     assert [(p.level, p.problem_id, p.name) for p in ps] == [(2, 80, "Tiny_Max_Subtract")]
 
@@ -327,7 +328,10 @@ def test_agent_batch_crash_is_recorded_and_retried(tmp_path, monkeypatch):
     monkeypatch.setattr(kb, "_policy", lambda cfg: object())
     monkeypatch.setattr(kb, "make_pool", lambda cfg, scfg: FakePool(FIXED))
     monkeypatch.setattr(kb, "sandbox_config", lambda cfg: None)
-    cfg = kb.EvalConfig(kernelbench_dir=FIX, level=[1], sandbox=CPU, out=str(tmp_path / "o"), batch=2)
+    script = tmp_path / "script.json"
+    script.write_text("[]")
+    cfg = kb.EvalConfig(kernelbench_dir=FIX, level=[1], sandbox=CPU, out=str(tmp_path / "o"), batch=2,
+                        policy=PolicyConfig(script=str(script)))
     assert kb.main(cfg) == 0
     assert len(calls) == 2 and calls[0][0].startswith("level_1_problem_1_")      # batches of 2, then 1
     s = json.load(open(tmp_path / "o" / "summary.json"))

@@ -80,6 +80,7 @@ def test_kill_mid_stage_then_resume_loses_no_step(tmp_path):
     want = ([(1, i) for i in range(2)] + [(2, i) for i in range(3)] + [(3, i) for i in range(3)] + [(4, 0)])
     assert got == want, f"each finished step logged exactly once, in order: {got}"
     assert _ckpt_position(run_dir) == (5, 0)
+    assert "reward first->last" in out and "\n4) agentic" in out, "the end-of-run table, one row per stage"
     # the run directory: plot, rollouts (every rollout, demos flagged), stage-2 trajectories
     assert (run_dir / "curves.png").stat().st_size > 0
     rolls = [json.loads(x) for f in sorted(os.listdir(run_dir / "rollouts")) for x in open(run_dir / "rollouts" / f)]
@@ -112,3 +113,57 @@ def test_two_process_data_parallel_run(tmp_path):
     assert {r.get("stage") for r in rows} >= {1, 2, 3, 4}, rows
     rft = [r for r in rows if r.get("stage") == 2]
     assert rft[0]["n_kept"] >= 1 and any("sft_nll" in r for r in rft), rft  # SFT ran, on both ranks
+
+
+def _fake_metrics(run_dir):
+    """Rows shaped like a tiny run's metrics.jsonl: 2 warm-up steps, collection + 2 SFT steps, 2 value
+    steps, 2 agentic steps (demos in stages 1-2 only)."""
+    rows, t = [], 0.0
+    for stage, step, m in [(1, 0, dict(reward_mean=-0.5, pass_rate=0.25, n=4, n_demo=1, explained_variance=-0.3)),
+                           (1, 1, dict(reward_mean=-0.5, pass_rate=0.25, n=4, n_demo=1, explained_variance=0.1)),
+                           (2, 0, dict(reward_mean=-0.5, pass_rate=0.25, n=4, n_demo=1, n_kept=1.0)),
+                           (2, 1, dict(sft_nll=3.0)), (2, 2, dict(sft_nll=2.0)),
+                           (3, 0, dict(explained_variance=0.1, heldout_explained_variance=0.0)),
+                           (3, 1, dict(explained_variance=0.5, heldout_explained_variance=0.4)),
+                           (4, 0, dict(reward_mean=-1.0, pass_rate=0.0, n=4, n_demo=0, explained_variance=0.2)),
+                           (4, 1, dict(reward_mean=0.5, pass_rate=0.5, n=4, n_demo=0, explained_variance=0.3))]:
+        t += 10
+        rows.append(dict(stage=stage, step=step, time_s=t, **m))
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def test_summary_table_and_curves(tmp_path):
+    import runlog
+    _fake_metrics(str(tmp_path))
+    lines = runlog.summary(str(tmp_path)).splitlines()
+    assert len(lines) == 5 and "reward first->last" in lines[0]
+    by_stage = {ln.split()[0]: ln for ln in lines[1:]}
+    assert "-1.00 -> +0.50" in by_stage["4)"] and " 0.25 " in by_stage["4)"]   # first->last, mean pass rate
+    assert by_stage["2)"].split()[-3] == "1"      # RFT kept
+    assert by_stage["3)"].split()[-2] == "0.40"   # stage 3: the held-out explained variance, last step
+    assert [ln.split()[-1] for ln in lines[1:]] == ["20", "30", "20", "20"]  # seconds: time_s differences
+    png = runlog.plot_curves(str(tmp_path))
+    assert os.path.getsize(png) > 10_000
+
+
+def test_logger_bar_and_escaped_sample(tmp_path, capsys):
+    import runlog
+    import train
+    log = runlog.Logger(str(tmp_path), tensorboard=False, enabled=True, verbose=False)
+    log.start_stage(1, 2)
+    log.phase("rollout")
+    log.log(1, 0, {"reward_mean": -1.0, "pass_rate": 0.0})
+    assert log.bar.n == 1 and log.bar.postfix and "reward=-1" in log.bar.postfix
+    log.close()
+    assert "[1) warmup" not in capsys.readouterr().out, "the per-step line is for --verbose only"
+
+    class Tok:
+        def decode(self, ids):
+            return "ok\x1b[2J\x07\u202e\nend"
+    traj = train.tasks_mod.Trajectory.__new__(train.tasks_mod.Trajectory)
+    traj.__dict__.update(ids=[1, 2], mask=[1, 1], source="policy", task="t", final_reward=-1.0)
+    train.print_sample([traj], Tok(), log)
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out and "\u202e" not in out and "\\x1b" in out
