@@ -651,7 +651,8 @@ def _reference_pool(src: str, cfg: SandboxConfig, want_baselines: bool, gpu, dev
     checks is safe because a candidate child never sees a reference output and keeps no state between
     checks (its job dir is deleted; the cache is hidden).
     """
-    key = (hashlib.sha256(src.encode()).hexdigest(), cfg.device, dev, cfg.seed, cfg.n_trials, cfg.warmup, cfg.iters)
+    key = (hashlib.sha256(src.encode()).hexdigest(), cfg.device, dev, cfg.seed, cfg.n_trials, cfg.warmup, cfg.iters,
+           cfg.profile)  # a verify-only pool has no sketches
     n_time = cfg.warmup + max(cfg.iters, 1)
     with _REF_LOCK:
         entry = _REF_POOLS.get(key)
@@ -668,7 +669,7 @@ def _reference_pool(src: str, cfg: SandboxConfig, want_baselines: bool, gpu, dev
         ref = _reference(src, cfg, trial_seeds, want_baselines, gpu, sketch_seeds=keys if cfg.profile else None)
         ref["keys"] = keys if cfg.profile else {}
         mb = sum(t.numel() * t.element_size() for outs in ref["outputs"].values() for t in outs) / 2**20
-        if REF_POOL_MAX_USES > 0 and mb <= REF_POOL_MAX_MB and cfg.profile:
+        if REF_POOL_MAX_USES > 0 and mb <= REF_POOL_MAX_MB:
             with _REF_LOCK:
                 _REF_POOLS[key] = {"ref": {k: v for k, v in ref.items() if k != "baselines"}, "uses": 1, "mb": mb}
                 while len(_REF_POOLS) > 1 and sum(e["mb"] for e in _REF_POOLS.values()) > REF_POOL_TOTAL_MB:
