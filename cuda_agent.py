@@ -75,7 +75,7 @@ def print_verdict(v: dict) -> None:
         print(f"error     : {v['error']}")
     for t in v.get("trials") or []:
         mark = "ok " if t.get("ok") else "BAD"
-        print(f"  trial seed={t.get('seed')} {mark} max_abs={t.get('max_abs_err')} "
+        print(f"  trial {t.get('trial')} {mark} max_abs={t.get('max_abs_err')} "
               f"rel_l2={t.get('rel_l2')} {t.get('reason') or ''}".rstrip())
     print(f"device    : {v.get('device')}   precision: {v.get('precision')}")
     print(f"eager     : {_fmt_ms(v['eager_ms'])}")
