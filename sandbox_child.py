@@ -309,6 +309,8 @@ def run_child(job: dict, jobdir: str, *, device: str, timeout_s: float, mem_limi
     while proc.poll() is None:
         if time.monotonic() > t_end:
             why = f"timed out after {timeout_s:.0f}s"
+        elif state.get("corrupt"):  # the reader has stopped: nothing will answer the child any more
+            why = state["corrupt"]
         else:
             tree = _proc_tree(proc.pid) if n % 5 == 0 else tree  # the /proc scan is the costly part
             n += 1
