@@ -1,4 +1,4 @@
-"""RL training (paper §3.3, §4.1): the four stages in order, each resumable from run_dir/checkpoint.pt.
+"""RL training (paper §3.3, §4.1): the four stages in order, each resumable from OUT/checkpoint.pt.
 
   1) single-turn PPO warm-up;  2) agent trajectories + `rft_filter` + SFT on the action tokens (RFT);
   3) value pretraining (critic fitted on the stage-2 trajectories, actor frozen);  4) agentic PPO.
@@ -57,10 +57,10 @@ warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", categ
 class TrainConfig:
     preset: str = "tiny"
     """preset the other defaults came from: tiny (CPU, offline, minutes) | paper (the paper's recipe, GPU node)"""
-    run_dir: str = "runs/tiny"
+    out: str = "runs/tiny"
     """run directory: checkpoints, metrics.jsonl, rollouts/*.jsonl, curves.png"""
     resume: bool = False
-    """pick up the last checkpoint in run_dir (stage and step included)"""
+    """pick up the last checkpoint in --out (stage and step included)"""
     seed: int = 0
     """the one seed (python, numpy, torch, sampling)"""
     model: str = "tiny"
@@ -152,7 +152,7 @@ class TrainConfig:
     sample_every: int = 1
     """with --verbose: print one decoded sample trajectory every N steps"""
     tensorboard: bool = False
-    """also log to TensorBoard (run_dir/tb)"""
+    """also log to TensorBoard (OUT/tb)"""
     env: env.EnvConfig = field(default_factory=lambda: env.EnvConfig(max_turns=4, max_context_tokens=4096,
                                                                      tool_workers=4))
     """the agent environment of stages 1, 2 and 4: --env.max-turns 1 = no agent loop (single-turn ablation),
@@ -165,7 +165,7 @@ class TrainConfig:
 PRESETS = {
     "tiny": TrainConfig(),
     "paper": TrainConfig(
-        preset="paper", run_dir="runs/paper", model="Qwen/Qwen3-Coder-30B-A3B-Instruct",
+        preset="paper", out="runs/paper", model="Qwen/Qwen3-Coder-30B-A3B-Instruct",
         tasks="BytedTsinghua-SIA/CUDA-Agent-Ops-6K", demos=None, demo_fraction=0.0,
         env=env.EnvConfig(max_turns=150, max_context_tokens=131072, tool_workers=4),
         sandbox=sandbox.SandboxConfig(device="cuda"), bf16=True, grad_checkpointing=True, max_new_tokens=8192,
@@ -251,7 +251,7 @@ def checkpoint(run: Run, stage: int, step: int, force: bool = False) -> None:
         dist.broadcast(ref, 0)
         assert torch.allclose(mine, ref, rtol=1e-9, atol=0), f"rank {rank} diverged from rank 0: {mine} vs {ref}"
     if rank == 0 and (force or step % run.cfg.checkpoint_every == 0):
-        runlog.save_checkpoint(run.cfg.run_dir, run.model, run.head, run.opt, stage, step, run.cfg)
+        runlog.save_checkpoint(run.cfg.out, run.model, run.head, run.opt, stage, step, run.cfg)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -370,10 +370,10 @@ def ppo_iteration(run: Run, stage: int, step: int, trajs: list | None = None, si
         run.logger.phase("rollout")
         t0 = time.time()
         n_local = max(1, cfg.batch_size // world)
-        wd = os.path.join(cfg.run_dir, "workspaces", f"s{stage}_{step}_r{rank}")
+        wd = os.path.join(cfg.out, "workspaces", f"s{stage}_{step}_r{rank}")
         trajs = rollout(run, n_local, local_demos(run, n_local, demo_fraction), single_turn, wd)
         t_gen = time.time() - t0
-        tasks_mod.save_trajectories(os.path.join(cfg.run_dir, "rollouts", f"s{stage}_{step:04d}_r{rank}.jsonl"),
+        tasks_mod.save_trajectories(os.path.join(cfg.out, "rollouts", f"s{stage}_{step:04d}_r{rank}.jsonl"),
                                     trajs, stage=stage, step=step)
     # 2) reward: Eq. 1 milestone (or --env.reward speedup) of each final verdict, on the last policy token
     rewards = [reward.reward_from_verdict(t.final_verdict, cfg.env.reward) for t in trajs]
@@ -423,7 +423,7 @@ def ppo_stage(run: Run, stage: int, n_steps: int, start: int, single_turn: bool,
 
 
 def _stage2_file(run: Run) -> str:
-    return os.path.join(run.cfg.run_dir, f"stage2_trajectories_r{rank_world()[0]}.jsonl")
+    return os.path.join(run.cfg.out, f"stage2_trajectories_r{rank_world()[0]}.jsonl")
 
 
 def rft_stage(run: Run, start: int) -> None:
@@ -435,7 +435,7 @@ def rft_stage(run: Run, start: int) -> None:
         t0 = time.time()
         n_local = max(1, cfg.rft_rollouts // world)
         trajs = rollout(run, n_local, local_demos(run, n_local, cfg.demo_fraction), cfg.env.max_turns == 1,
-                        os.path.join(cfg.run_dir, "workspaces", f"s2_r{rank}"))
+                        os.path.join(cfg.out, "workspaces", f"s2_r{rank}"))
         tasks_mod.save_trajectories(_stage2_file(run) + ".tmp", trajs, stage=2, step=0)
         os.replace(_stage2_file(run) + ".tmp", _stage2_file(run))
         kept = [v["traj"] for v in ppo.rft_filter([rft_view(t) for t in trajs])]
@@ -498,7 +498,7 @@ def setup(cfg: TrainConfig) -> torch.device:
 
 
 def train(cfg: TrainConfig) -> int:
-    """Run the four stages in order (§3.3), resuming from run_dir/checkpoint.pt with --resume."""
+    """Run the four stages in order (§3.3), resuming from OUT/checkpoint.pt with --resume."""
     device = setup(cfg)
     rank, world = rank_world()
     if cfg.cpu_threads > 0:
@@ -506,9 +506,9 @@ def train(cfg: TrainConfig) -> int:
     random.seed(cfg.seed + rank)
     np.random.seed(cfg.seed + rank)
     torch.manual_seed(cfg.seed + rank)
-    os.makedirs(cfg.run_dir, exist_ok=True)
+    os.makedirs(cfg.out, exist_ok=True)
     if rank == 0:
-        with open(os.path.join(cfg.run_dir, "config.json"), "w") as f:
+        with open(os.path.join(cfg.out, "config.json"), "w") as f:
             json.dump(dataclasses.asdict(cfg), f, indent=1)
     model, head, tok = build_models(cfg, device)
     tasks = tasks_mod.load_tasks(cfg.tasks)
@@ -528,19 +528,19 @@ def train(cfg: TrainConfig) -> int:
         warmed = pool.prewarm([t.code for t in tasks[rank::world]], cfg.sandbox_prewarm)
         print(f"[ppo] prewarmed {len(warmed)} uncached task baselines in {time.time() - t0:.0f} s", flush=True)
     stage, start, ck = 1, 0, None
-    metrics = os.path.join(cfg.run_dir, "metrics.jsonl")
+    metrics = os.path.join(cfg.out, "metrics.jsonl")
     if cfg.resume:
-        ck = runlog.load_checkpoint(cfg.run_dir, model, head)
+        ck = runlog.load_checkpoint(cfg.out, model, head)
         if ck:
             stage, start = ck["stage"], ck["step"]
-            print(f"[ppo] resumed from {cfg.run_dir}/checkpoint.pt at stage {stage} ({STAGES.get(stage, 'done')}), "
+            print(f"[ppo] resumed from {cfg.out}/checkpoint.pt at stage {stage} ({STAGES.get(stage, 'done')}), "
                   f"step {start}", flush=True)
     if rank == 0:
         if ck:
             runlog.truncate_metrics(metrics, stage, start)
         elif os.path.exists(metrics):
-            os.remove(metrics)  # a fresh run in an old run_dir
-    run = Run(cfg, model, head, tok, pool, tasks, demos, runlog.Logger(cfg.run_dir, cfg.tensorboard, rank == 0,
+            os.remove(metrics)  # a fresh run in an old --out
+    run = Run(cfg, model, head, tok, pool, tasks, demos, runlog.Logger(cfg.out, cfg.tensorboard, rank == 0,
                                                                        cfg.verbose))
     n_steps = {1: cfg.warmup_steps, 2: cfg.rft_steps, 3: cfg.value_pretrain_steps, 4: cfg.agent_steps}
     try:
@@ -571,9 +571,9 @@ def train(cfg: TrainConfig) -> int:
     if world > 1:  # the last checkpoint was the last collective call
         dist.destroy_process_group()
     if rank == 0 and os.path.exists(metrics):
-        print(f"\n{runlog.summary(cfg.run_dir)}\n"
+        print(f"\n{runlog.summary(cfg.out)}\n"
               f"good: reward rises and pass rate > 0 in stage 4, RFT keeps some trajectories, stage-3 explained "
               f"variance near 1 (Eq. 1: -1 fail, 1 correct, 2 beats eager, 3 beats torch.compile)\n"
-              f"[ppo] done: {runlog.plot_curves(cfg.run_dir)}, {metrics}, rollouts in {cfg.run_dir}/rollouts",
+              f"[ppo] done: {runlog.plot_curves(cfg.out)}, {metrics}, rollouts in {cfg.out}/rollouts",
               flush=True)
     return 0

@@ -33,7 +33,7 @@ sys.exit(train.train(cfg))
 
 
 def _launch(run_dir, resume=False):
-    kw = dict(SMALL, run_dir=str(run_dir), resume=resume)
+    kw = dict(SMALL, out=str(run_dir), resume=resume)
     return subprocess.Popen([sys.executable, "-u", "-c", SCRIPT.format(root=ROOT), json.dumps(kw)], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, process_group=0)
 
@@ -99,7 +99,7 @@ def test_two_process_data_parallel_run(tmp_path):
     (it raises otherwise). This caught both ranks believing they were rank 0 and racing on checkpoint.pt."""
     # one demonstration per global batch (25% of 4): it lands on rank 0 only, so the RFT filter keeps
     # trajectories on one rank and none on the other, and SFT must still run on both in step
-    kw = dict(SMALL, run_dir=str(tmp_path / "ddp"), batch_size=4, rft_rollouts=4, demo_fraction=0.25)
+    kw = dict(SMALL, out=str(tmp_path / "ddp"), batch_size=4, rft_rollouts=4, demo_fraction=0.25)
     script = tmp_path / "run.py"
     script.write_text(SCRIPT.format(root=ROOT))
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
