@@ -181,7 +181,9 @@ def tokenize_conversation(messages: list[dict], tools: list[dict] | None, tokeni
 
 
 def flat_logprobs(mask: list[int], per_turn: list[list[float] | None]) -> list[float]:
-    """Spread per-turn sampled log-probs over the flat ids: the k-th run of mask==1 is the k-th turn."""
+    """Spread per-turn sampled log-probs over the flat ids: the k-th run of mask==1 is the k-th turn that
+    sampled a token (a turn of 0 tokens leaves no run in the mask)."""
+    per_turn = [lp for lp in per_turn if lp is None or len(lp) > 0]
     out, k, i = [0.0] * len(mask), 0, 0
     while i < len(mask):
         if mask[i] == 0:

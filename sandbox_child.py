@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import io
 import json
+import math
 import os
 import resource
 import secrets
@@ -25,6 +25,8 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+
+import sandbox_worker
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_worker.py")
 
@@ -85,12 +87,34 @@ REPO = os.path.dirname(WORKER)
 _UNHIDEABLE = ("/", "/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/dev", "/proc", "/sys", "/run", "/tmp")
 
 
+def hidden(cfg, ws: str | None = None) -> tuple[str, ...]:
+    """What a compile or candidate child must not see: the cache dir (baseline times, other kernels), the
+    repository (the harness, demo solutions, tests) and, for a workspace, its parent (other episodes')."""
+    out = [os.path.expanduser(cfg.cache_dir), REPO]
+    return tuple(out + ([os.path.dirname(os.path.realpath(ws))] if ws else []))
+
+
+_SYSTEM = _UNHIDEABLE + ("/lib32", "/libx32", "/nix", "/gnu")  # what a candidate child still sees of `/`
+
+
+def hidden_candidate(cfg, ws: str | None = None) -> tuple[str, ...]:
+    """What a candidate child must not see: every top-level directory but the system's (it runs from a
+    private copy of its files and needs nothing of the host's but the interpreter and libraries, which
+    `_needed` binds back), plus `hidden(cfg, ws)`. The workspace's parent is listed only where the rest does
+    not already hide it, so a warm spare started before its workspace was known hides it too."""
+    top = [os.path.join("/", d) for d in sorted(os.listdir("/"))]
+    top = [d for d in top if d not in _SYSTEM and os.path.isdir(d) and not os.path.islink(d)]
+    inside = lambda p: any(p == d or p.startswith(d + os.sep) for d in top + ["/tmp"])  # noqa: E731
+    return tuple(top) + tuple(h for h in hidden(cfg, ws) if h in hidden(cfg) or not inside(h))
+
+
 def _needed() -> set[str]:
     """Host dirs a child runs from: the interpreter's prefixes (a venv), site-packages on sys.path, the CUDA
-    toolkit. Bound back read-only when a hidden dir holds them."""
+    toolkit, LD_LIBRARY_PATH. Bound back read-only when a hidden dir holds them."""
     need = {sys.prefix, sys.base_prefix, sys.exec_prefix, os.environ.get("CUDA_HOME", ""),
             os.environ.get("CUDA_PATH", "")}
     need |= {p for p in sys.path if os.path.basename(p) in ("site-packages", "dist-packages") or p.endswith(".zip")}
+    need |= {p for p in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p}
     nvcc = shutil.which("nvcc")
     if nvcc:  # e.g. /usr/local/cuda-13.0/bin/nvcc -> /usr/local/cuda-13.0 (through a wrapper: CUDA_HOME)
         need.add(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
@@ -199,39 +223,62 @@ class ChildResult:
         return out
 
 
-def _reader(fd: int, nonce: bytes, out: list, on_msg, state: dict, max_msg_bytes: int, max_msgs: int = 100_000):
-    """Read nonce-framed messages until EOF; a bad frame, a message over max_msg_bytes or too many messages
-    mark the channel corrupt. Each message is handed to `on_msg` and then only its small fields are kept
-    (tensors under "outs" are dropped), so the host holds at most one message's payload at a time."""
+def _reader(fd: int, nonce: bytes, out: list, on_msg, state: dict, max_msgs: int = 100_000):
+    """Read nonce-framed messages (sandbox_worker.Channel) until EOF; a bad frame, a message over
+    state["max_msg_bytes"] (head and tensors together) or too many messages mark the channel corrupt. Each message is
+    handed to `on_msg` and then only its small fields are kept (tensors under "outs" are dropped), so the
+    host holds at most one message's payload at a time. Tensors are read straight into their own storage."""
     import torch
     with os.fdopen(fd, "rb", buffering=0) as f:
-        def read(n):
-            buf = bytearray()
-            while len(buf) < n:
-                chunk = f.read(min(n - len(buf), 1 << 24))
-                if not chunk:
-                    return None
-                buf += chunk
-            return bytes(buf)
-        for _ in range(max_msgs):
-            head = read(24)
-            if head is None:
-                return
-            if head[:16] != nonce:
+        def read_into(view) -> bool:
+            while len(view):
+                n = f.readinto(view[:1 << 24])
+                if not n:
+                    return False
+                view = view[n:]
+            return True
+
+        def frame(limit: int) -> int | None:  # the next frame's length, or None at EOF / a bad frame
+            head = bytearray(24)
+            if not read_into(memoryview(head)):
+                return None
+            if bytes(head[:16]) != nonce:
                 state["corrupt"] = "bad frame on the result channel"
-                return
+                return None
             n = struct.unpack(">Q", head[16:])[0]
-            if n > max_msg_bytes:  # the host's memory is not the candidate's to fill
+            if n > limit:  # the host's memory is not the candidate's to fill
                 state["corrupt"] = f"a result message of {n >> 20} MB exceeds the {max_msg_bytes >> 20} MB limit"
+                return None
+            return n
+        for _ in range(max_msgs):
+            max_msg_bytes = state["max_msg_bytes"]
+            n = frame(max_msg_bytes)
+            if n is None:
                 return
-            body = read(n)
+            body = bytearray(n)
             try:
-                msg = torch.load(io.BytesIO(body or b""), weights_only=True)
-                assert isinstance(msg, dict) and "type" in msg
-            except Exception as e:  # noqa: BLE001 - non-plain data (e.g. a tensor subclass) is refused
+                assert read_into(memoryview(body))
+                head = json.loads(body)
+                assert isinstance(head, dict) and "type" in head
+                specs = sandbox_worker.tensor_specs(head)
+                left = max_msg_bytes - n
+                tensors = []
+                for dt, shape in specs:
+                    dtype = getattr(torch, dt)
+                    size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+                    m = frame(left)
+                    if m is None or m != size:
+                        state.setdefault("corrupt", "a tensor frame does not match its spec")
+                        return
+                    left -= m
+                    raw = torch.empty(m, dtype=torch.uint8)
+                    assert read_into(memoryview(raw.numpy()))
+                    tensors.append(raw.view(dtype).reshape(shape))
+                msg = sandbox_worker.decode(head, tensors)
+            except Exception as e:  # noqa: BLE001 - anything but the plain format is refused
                 state["corrupt"] = f"unreadable result message ({type(e).__name__})"
                 return
-            del body
+            del body, tensors
             t = time.monotonic()
             on_msg(msg)
             out.append((t, {k: v for k, v in msg.items() if k != "outs"}))
@@ -264,79 +311,155 @@ def _limits(cpu_as_mb: int | None):
     return apply
 
 
+_LIVE: set = set()  # every started child not yet reaped: kill_all() ends them (Ctrl-C)
+_LIVE_LOCK = threading.Lock()
+
+
+def kill_all() -> int:
+    """Kill every sandbox child of this process (and its tree) now; returns how many. For Ctrl-C handlers:
+    children are started with setsid, so the terminal's SIGINT never reaches them."""
+    with _LIVE_LOCK:
+        live = list(_LIVE)
+        _LIVE.clear()
+    for c in live:
+        with contextlib.suppress(Exception):
+            _kill_tree(c.proc)
+    return len(live)
+
+
+def interruptible(main):
+    """Run `main()`; on Ctrl-C kill every sandbox child, print one line and exit 130 at once (worker threads
+    still inside a check are not waited for; files already written, checkpoints included, stay)."""
+    try:
+        return main()
+    except KeyboardInterrupt:
+        n = kill_all()
+        if _ROOT:
+            shutil.rmtree(_ROOT, ignore_errors=True)
+        print(f"interrupted{f' (killed {n} sandbox children)' if n else ''}", file=sys.stderr, flush=True)
+        os._exit(130)
+
+
+class Child:
+    """One sandboxed child process and its channel. `Child(...)` starts it; `run(job)` hands it its job and
+    collects its messages until it exits (a ChildResult). With `job=None` at start the child is WARM: the
+    worker imports torch, brings CUDA up and warms its checks, then waits on the control pipe for the job,
+    so a check does not pay the start-up (sandbox.py keeps one spare per device). One job per child, always."""
+
+    def __init__(self, jobdir: str, *, device: str, mem_limit_mb: int, gpu: int | None = None, writable: tuple = (),
+                 hide: tuple = (), env: dict | None = None, cmd: list[str] | None = None, max_msg_mb: int = 64,
+                 job: dict | None = None, on_msg=None):
+        self.jobdir, self.device, self.mem_limit_mb, self.on_msg = jobdir, device, mem_limit_mb, on_msg
+        self.wdir = os.path.join(jobdir, "w")
+        os.makedirs(self.wdir, exist_ok=True)
+        self.warm, self.is_worker = job is None and cmd is None, cmd is None
+        nonce = secrets.token_bytes(16)
+        rfd, wfd = os.pipe()
+        crfd, cwfd = os.pipe()
+        with open(os.path.join(self.wdir, "job.json"), "w") as f:  # no seed, plan or nonce: fds and kind only
+            json.dump({**(job or {"kind": "warm", "device": device}), "result_fd": wfd, "control_fd": crfd}, f)
+        child_env = {k: os.environ[k] for k in PASS_ENV if k in os.environ}
+        child_env.update({"HOME": self.wdir, "TMPDIR": "/tmp" if isolation() == "bwrap" else self.wdir,
+                          "PYTHONDONTWRITEBYTECODE": "1", **(env or {})})
+        child_env["CUDA_VISIBLE_DEVICES"] = visible_devices(gpu) if device == "cuda" else ""  # cpu: no GPU
+        cmd = cmd or [sys.executable, WORKER, os.path.join(self.wdir, "job.json")]
+        full = _wrap(cmd, self.wdir, device, list(writable), list(hide))
+        self.out_f = open(os.path.join(jobdir, "stdout"), "w+b")
+        self.err_f = open(os.path.join(jobdir, "stderr"), "w+b")
+        self.msgs, self.state = [], {"max_msg_bytes": max_msg_mb << 20}
+        self.control = os.fdopen(cwfd, "w")
+        self.t_started = time.monotonic()
+        try:
+            self.proc = subprocess.Popen(full, stdin=subprocess.DEVNULL, stdout=self.out_f, stderr=self.err_f,
+                                         env=child_env, cwd=self.wdir, pass_fds=(wfd, crfd), start_new_session=True,
+                                         preexec_fn=_limits(mem_limit_mb + 4096 if device == "cpu" else None))
+        finally:
+            os.close(wfd)
+            os.close(crfd)
+        with _LIVE_LOCK:
+            _LIVE.add(self)
+        self._send({"nonce": nonce.hex()})  # the worker reads this line before anything else
+        self.reader = threading.Thread(target=_reader, args=(rfd, nonce, self.msgs, self._handle, self.state),
+                                       daemon=True)
+        self.reader.start()
+
+    def _handle(self, msg):
+        if self.on_msg:
+            self.on_msg(msg, self.control)
+
+    def _send(self, obj: dict):
+        with contextlib.suppress(OSError, ValueError):
+            self.control.write(json.dumps(obj) + "\n")
+            self.control.flush()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None and not self.state.get("corrupt")
+
+    def kill(self):
+        _kill_tree(self.proc)
+        self.proc.wait()
+        with _LIVE_LOCK:
+            _LIVE.discard(self)
+        for f in (self.out_f, self.err_f, self.control):
+            with contextlib.suppress(OSError, ValueError):
+                f.close()
+
+    def run(self, job: dict | None, timeout_s: float, on_msg=None, max_msg_mb: int | None = None) -> ChildResult:
+        """Give a warm child `job` (a cold one has it already), then wait until it exits, killing it on the
+        wall-clock limit, over `mem_limit_mb` of RSS (the whole process tree), or on a corrupt channel."""
+        self.on_msg = on_msg or self.on_msg
+        if max_msg_mb is not None:
+            self.state["max_msg_bytes"] = max_msg_mb << 20
+        started = bool(self.msgs)  # a warm child has reported before any candidate code exists in it
+        if self.warm:
+            del self.msgs[:]
+            self.t_started = time.monotonic()
+            self._send({"job": job})
+        proc, t_end, why, peak, tree, n = self.proc, time.monotonic() + timeout_s, None, 0.0, [self.proc.pid], 0
+        while proc.poll() is None:
+            if time.monotonic() > t_end:
+                why = f"timed out after {timeout_s:.0f}s"
+            elif self.state.get("corrupt"):  # the reader has stopped: nothing will answer the child any more
+                why = self.state["corrupt"]
+            else:
+                tree = _proc_tree(proc.pid) if n % 5 == 0 else tree  # the /proc scan is the costly part
+                n += 1
+                peak = max(peak, _rss_mb(tree))
+                if peak > self.mem_limit_mb:
+                    why = f"memory limit exceeded (RSS {peak:.0f} MB > {self.mem_limit_mb} MB)"
+            if why:
+                _kill_tree(proc)
+                break
+            time.sleep(0.01 if self.warm else 0.05)
+        proc.wait()
+        with _LIVE_LOCK:
+            _LIVE.discard(self)
+        self.reader.join(timeout=10)
+        with contextlib.suppress(OSError):
+            self.control.close()
+        rc, msgs, state = proc.returncode, self.msgs, self.state
+        stdout, stderr = _tail(self.out_f), _tail(self.err_f)
+        result = next((m for _, m in reversed(msgs) if m.get("type") == "result"), None)
+        stage = next((m["stage"] for _, m in reversed(msgs) if m.get("type") == "stage" and m["stage"] != "started"),
+                     None)
+        if self.is_worker and not msgs and not started and not state.get("corrupt"):
+            raise SandboxError(f"a sandbox child did not start: {why or _death_reason(rc, stderr)}")  # no
+            # candidate code runs before the first message, so this is never the candidate's doing
+        if why is None and state.get("corrupt"):
+            why = state["corrupt"]
+        if why is None and result is None and self.is_worker:
+            why = _death_reason(rc, stderr)
+        return ChildResult(result if why is None else None, msgs, why, stage, stdout, stderr, rc, self.t_started)
+
+
 def run_child(job: dict, jobdir: str, *, device: str, timeout_s: float, mem_limit_mb: int, gpu: int | None = None,
               writable: tuple = (), hide: tuple = (), env: dict | None = None, on_msg=None,
               cmd: list[str] | None = None, max_msg_mb: int = 64) -> ChildResult:
     """Run one sandboxed child (the worker with `job`, or `cmd`) and collect its messages (each at most
     `max_msg_mb`). The nonce that frames them goes down the control pipe, never into a file."""
-    wdir = os.path.join(jobdir, "w")
-    os.makedirs(wdir, exist_ok=True)
-    nonce = secrets.token_bytes(16)
-    rfd, wfd = os.pipe()
-    crfd, cwfd = os.pipe()
-    job = {**job, "result_fd": wfd, "control_fd": crfd}
-    with open(os.path.join(wdir, "job.json"), "w") as f:
-        json.dump(job, f)
-    child_env = {k: os.environ[k] for k in PASS_ENV if k in os.environ}
-    child_env.update({"HOME": wdir, "TMPDIR": "/tmp" if isolation() == "bwrap" else wdir,
-                      "PYTHONDONTWRITEBYTECODE": "1", **(env or {})})
-    child_env["CUDA_VISIBLE_DEVICES"] = visible_devices(gpu) if device == "cuda" else ""  # cpu children see no GPU
-    is_worker = cmd is None
-    cmd = cmd or [sys.executable, WORKER, os.path.join(wdir, "job.json")]
-    full = _wrap(cmd, wdir, device, list(writable), list(hide))
-    out_f, err_f = open(os.path.join(jobdir, "stdout"), "w+b"), open(os.path.join(jobdir, "stderr"), "w+b")
-    msgs, state = [], {}
-    control = os.fdopen(cwfd, "w")
-    t_started = time.monotonic()
-
-    def handle(msg):
-        if on_msg:
-            on_msg(msg, control)
-    try:
-        proc = subprocess.Popen(full, stdin=subprocess.DEVNULL, stdout=out_f, stderr=err_f, env=child_env,
-                                cwd=wdir, pass_fds=(wfd, crfd), start_new_session=True,
-                                preexec_fn=_limits(mem_limit_mb + 4096 if device == "cpu" else None))
-    finally:
-        os.close(wfd)
-        os.close(crfd)
-    with contextlib.suppress(OSError):  # the worker reads this line before anything else
-        control.write(json.dumps({"nonce": nonce.hex()}) + "\n")
-        control.flush()
-    reader = threading.Thread(target=_reader, args=(rfd, nonce, msgs, handle, state, max_msg_mb << 20),
-                              daemon=True)
-    reader.start()
-    t_end, why, peak, tree, n = time.monotonic() + timeout_s, None, 0.0, [proc.pid], 0
-    while proc.poll() is None:
-        if time.monotonic() > t_end:
-            why = f"timed out after {timeout_s:.0f}s"
-        elif state.get("corrupt"):  # the reader has stopped: nothing will answer the child any more
-            why = state["corrupt"]
-        else:
-            tree = _proc_tree(proc.pid) if n % 5 == 0 else tree  # the /proc scan is the costly part
-            n += 1
-            peak = max(peak, _rss_mb(tree))
-            if peak > mem_limit_mb:
-                why = f"memory limit exceeded (RSS {peak:.0f} MB > {mem_limit_mb} MB)"
-        if why:
-            _kill_tree(proc)
-            break
-        time.sleep(0.05)
-    proc.wait()
-    reader.join(timeout=10)
-    with contextlib.suppress(OSError):
-        control.close()
-    rc = proc.returncode
-    stdout, stderr = _tail(out_f), _tail(err_f)
-    result = next((m for _, m in reversed(msgs) if m.get("type") == "result"), None)
-    stage = next((m["stage"] for _, m in reversed(msgs) if m.get("type") == "stage" and m["stage"] != "started"),
-                 None)
-    if is_worker and not msgs and not state.get("corrupt"):  # no candidate code runs before the first message
-        raise SandboxError(f"a sandbox child did not start: {why or _death_reason(rc, stderr)}")
-    if why is None and state.get("corrupt"):
-        why = state["corrupt"]
-    if why is None and result is None and is_worker:
-        why = _death_reason(rc, stderr)
-    return ChildResult(result if why is None else None, msgs, why, stage, stdout, stderr, rc, t_started)
+    child = Child(jobdir, device=device, mem_limit_mb=mem_limit_mb, gpu=gpu, writable=writable, hide=hide, env=env,
+                  cmd=cmd, max_msg_mb=max_msg_mb, job=job, on_msg=on_msg)
+    return child.run(None, timeout_s)
 
 
 def visible_devices(gpu: int | None) -> str:

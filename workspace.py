@@ -15,11 +15,14 @@ Departures from the paper:
   1. The paper does not say how its harness reads agent-written files. Read naively, a link to /dev/zero
      exhausts the host's memory, a FIFO blocks it, and a link out shows the agent the harness's files.
 
+Also the host-side validation of task and solution files the user names (`read_task`, `python_error`).
+
 Smoke: python -m pytest tests/test_sandbox_files.py -q -k workspace
 Full:  python -m pytest tests/test_sandbox_files.py tests/test_env_files.py -q
 """
 from __future__ import annotations
 
+import ast
 import errno
 import hashlib
 import os
@@ -228,3 +231,66 @@ def confine(root: str, rel: str) -> str:
     if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
         _refuse(f"workspace file {rel}", st.st_mode)
     return full
+
+
+# ----------------------------------------------------------------------------- task and solution files (host side)
+# Checked in milliseconds before any sandbox work: text, parses, defines the names; errors name file and line.
+class TaskError(Exception):
+    """A malformed task; str(e) is one clear line (the sandbox raises it; it is never a candidate's verdict)."""
+
+
+def looks_like_path(s: str) -> bool:
+    return "\n" not in s and (s.endswith((".py", ".txt")) or os.sep in s or os.path.lexists(s))
+
+
+def read_file(path: str, what: str, err) -> str:
+    """A file the user named: a regular file of UTF-8 text, read capped (links to one are fine)."""
+    if os.path.isdir(path):
+        raise err(f"{what} {path} is a directory" + (": give the task's .py file" if what == "task" else ""))
+    try:
+        data = read_bytes(path, follow_links=True)
+    except WorkspaceError as e:
+        raise err(f"{what} {e}") from None
+    try:
+        return data.decode()
+    except UnicodeDecodeError as e:
+        raise err(f"{what} {path} is not UTF-8 text (byte {e.start})") from None
+
+
+def _defines(tree: ast.Module) -> set[str]:
+    """Top-level names a module binds (classes, functions, assignments, imports)."""
+    out = set()
+    for node in tree.body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            out.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            out |= {t.id for t in targets if isinstance(t, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            out |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return out
+
+
+def python_error(source: str, name: str, needs: tuple[str, ...]) -> str | None:
+    """Host-side check of a Python file in milliseconds: it parses and defines `needs` at top level.
+    Returns one line naming the file (and line), or None."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError as e:
+        return f"{name}: line {e.lineno}: SyntaxError: {e.msg}"
+    missing = [n for n in needs if n not in _defines(tree)]
+    return f"{name} defines no {', '.join(missing)}" if missing else None
+
+
+def read_task(src_or_path: str) -> str:
+    """The task's source: `src_or_path` itself, or the file it names; checked on the host (parses, defines
+    Model, get_inputs and get_init_inputs). Raises TaskError with one line naming the file."""
+    name = "task"
+    if looks_like_path(src_or_path):
+        if not os.path.lexists(src_or_path):
+            raise TaskError(f"task file not found: {src_or_path}")
+        name, src_or_path = src_or_path, read_file(src_or_path, "task", TaskError)
+    err = python_error(src_or_path, name, ("Model", "get_inputs", "get_init_inputs"))
+    if err:
+        raise TaskError(err)
+    return src_or_path

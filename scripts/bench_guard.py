@@ -1,11 +1,14 @@
 """What a checked timed call costs an honest kernel: one ReLU launch timed the way the sandbox times it.
 
-Variants, each the median of --iters calls of the same compiled kernel in this process:
-  plain     inputs refilled in place, no guard (how baselines are timed);
-  guard     the same, under the dispatch guard;
-  fresh     fresh inputs every call (the sandbox's timed calls), no guard;
-  fresh + sketch  and the output's sketch after each call;
-  checked   what the sandbox does: fresh inputs, scrub, guard, then a sketch of the output.
+Variants, each the median of --iters calls in this process (the same compiled kernel, or eager torch.relu):
+  eager (Timer)        torch.relu timed as the baselines are (inputs refilled in place, L2 flushed);
+  eager (checked)      torch.relu under the candidate's conditions (fresh inputs, scrub, sketch after);
+  plain                the kernel, inputs refilled in place, no scrub, no guard;
+  + scrub              and the NaN scrub before each call;
+  + guard              and the dispatch guard around the call;
+  fresh + scrub + guard        fresh inputs every call;
+  checked              what the sandbox does: fresh inputs, scrub, guard, then a sketch of the output;
+  checked, in place    the same with fresh values copied into one input buffer.
 
 GPU: python scripts/bench_guard.py --device cuda
 CPU: python scripts/bench_guard.py --device cpu --numel 1048576
@@ -63,30 +66,61 @@ def main():
     x = torch.randn(a.numel, device=a.device)
     task = type("T", (), {"get_inputs": staticmethod(lambda: [torch.randn(a.numel)])})
 
-    def run(fresh: bool, guarded: bool, sketched: bool) -> float:
+    buf = torch.empty(a.numel, device=a.device)
+    eager = torch.nn.ReLU()
+
+    def run(fn, fresh: str, scrub: bool, guarded: bool, sketched: bool) -> float:
         times = []
         for i in range(a.iters + 10):
-            xs = w._make_inputs(task, i, a.device) if fresh else [x.mul_(1.0)]
+            if fresh == "alloc":
+                xs = w._make_inputs(task, i, a.device)
+            elif fresh == "copy":
+                xs = [buf.copy_(w._make_inputs(task, i, a.device)[0])]
+            else:
+                xs = [x.mul_(1.0)]
             if guarded:
-                out, ms, viol = w._forward(model, xs, guard_cls, a.device, clocks, timed=True)
+                out, ms, viol = w._forward(fn, xs, guard_cls, a.device, clocks, timed=True)
                 assert viol is None, viol
             else:
-                w._scrub(a.device, clocks[1])
+                if scrub:
+                    w._scrub(a.device, clocks[1])
+                else:
+                    clocks[1]()
                 t0 = time.perf_counter()
-                out = model(*xs)
+                out = fn(*xs)
                 clocks[1]()
                 ms = (time.perf_counter() - t0) * 1e3
             if sketched:
                 w.sketch([out], [1, 2, 3])
             times.append(ms)
         return statistics.median(times[10:])
-    rows = [("plain", False, False, False), ("guard", False, True, False), ("fresh", True, False, False),
-            ("fresh + sketch", True, False, True), ("checked", True, True, True)]
-    res = {name: run(f, g, s) for name, f, g, s in rows}
+    timer = w.Timer(task, a.device, 0)
+    res = {"eager (Timer)": statistics.median(timer.run(eager, 10, a.iters)),  # = eager (checked) now
+           "eager (checked)": run(eager, "alloc", True, False, True),
+           "plain": run(model, "", False, False, False),
+           "+ scrub": run(model, "", True, False, False),
+           "+ guard": run(model, "", True, True, False),
+           "fresh + scrub + guard": run(model, "alloc", True, True, False),
+           "checked": run(model, "alloc", True, True, True),
+           "checked, in place": run(model, "copy", True, True, True)}
+    if a.device == "cuda":  # the kernels' own GPU time (events on the stream), without any host overhead
+        for name, fn in (("kernel alone (events)", lambda: model.lib.relu_forward(w.ptr(x), w.ptr(y), x.numel(),
+                                                                                  w.stream())),
+                         ("eager relu alone (events)", lambda: torch.relu(x, out=y))):
+            y, ev = torch.empty_like(x), []
+            for _ in range(a.iters):
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                fn()
+                e1.record()
+                ev.append((e0, e1))
+            torch.cuda.synchronize()
+            res[name] = statistics.median(e0.elapsed_time(e1) for e0, e1 in ev)
     dev = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
     print(f"\n| variant ({dev}, {a.numel} floats, median of {a.iters}) | ms per call |\n|---|---|")
     for name, ms in res.items():
         print(f"| {name} | {ms:.4f} |")
+    print(f"checked / eager (Timer) = {res['checked'] / res['eager (Timer)']:.2f}")
 
 
 if __name__ == "__main__":

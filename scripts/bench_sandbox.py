@@ -30,6 +30,30 @@ TASK = textwrap.dedent("""
     def get_init_inputs():
         return []
 """)
+HEAVY_TASK = textwrap.dedent("""
+    import torch
+    import torch.nn as nn
+    class Model(nn.Module):  # compute-bound: 128 sines per element (a >= 1 ms kernel, for timing spread)
+        def __init__(self):
+            super().__init__()
+        def forward(self, x):
+            for _ in range(128):
+                x = torch.sin(x)
+            return x
+    def get_inputs():
+        return [torch.randn({rows}, {cols})]
+    def get_init_inputs():
+        return []
+""")
+HEAVY_CU = r"""
+__global__ void relu_k(const float* x, float* y, long n) {
+    long i = blockIdx.x * (long)blockDim.x + threadIdx.x;
+    if (i < n) { float v = x[i]; for (int k = 0; k < 128; ++k) v = sinf(v); y[i] = v; }
+}
+extern "C" void relu_forward(const float* x, float* y, long n, void* s) {
+    relu_k<<<(n + 255) / 256, 256, 0, (cudaStream_t)s>>>(x, y, n);
+}
+"""
 CU = r"""
 __global__ void relu_k(const float* x, float* y, long n) {
     long i = blockIdx.x * (long)blockDim.x + threadIdx.x;
@@ -73,13 +97,13 @@ CPP_BIND = ('#include <torch/extension.h>\nvoid relu_forward(torch::Tensor x, to
             '#pragma omp parallel for\n    for (long i = 0; i < n; ++i) b[i] = a[i] > 0.f ? a[i] : 0.f;\n}\n')
 
 
-def make_ws(root: str, device: str) -> str:
+def make_ws(root: str, device: str, heavy: bool = False) -> str:
     ws = os.path.join(root, "ws")
     os.makedirs(os.path.join(ws, "kernels"))
     ext = ".cu" if device == "cuda" else ".cpp"
     for name in ("relu", "other"):  # two kernels: an edit to one must rebuild only that one
         with open(os.path.join(ws, "kernels", name + ext), "w") as f:
-            f.write((CU if device == "cuda" else CPP).replace("relu_forward", f"{name}_forward"))
+            f.write((HEAVY_CU if heavy else CU if device == "cuda" else CPP).replace("relu_forward", f"{name}_forward"))
     with open(os.path.join(ws, "model_new.py"), "w") as f:
         f.write(MODEL_NEW)
     return ws
@@ -127,21 +151,26 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=10, help="repeated checks for the timing spread")
     p.add_argument("--iters", type=int, default=100, help="timed iterations per check")
     p.add_argument("--skip-load-inline", action="store_true", help="skip the (slow) load_inline build")
+    p.add_argument("--warm-spares", type=int, default=-1, help="SandboxConfig.warm_spares (0: a cold child per check, -1: auto)")
+    p.add_argument("--kernel", default="relu", choices=["relu", "heavy"],
+                   help="relu: memory-bound, launch-dominated; heavy: 128 sines per element (cuda only), >= 1 ms")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_sandbox.json"))
     args = p.parse_args()
     rows, cols = (4096, 4096) if args.device == "cuda" else (512, 1024)
-    res = {"device": args.device, "isolation": sandbox.isolation(), "shape": [rows, cols]}
+    res = {"device": args.device, "isolation": sandbox.isolation(), "shape": [rows, cols], "kernel": args.kernel,
+           "warm_spares": args.warm_spares}
+    assert args.kernel == "relu" or args.device == "cuda", "--kernel heavy needs --device cuda"
     with tempfile.TemporaryDirectory() as root:
         cfg = sandbox.SandboxConfig(device=args.device, cache_dir=os.path.join(root, "cache"), iters=args.iters,
-                                    warmup=10)
-        ws = make_ws(root, args.device)
+                                    warmup=10, warm_spares=args.warm_spares)
+        ws = make_ws(root, args.device, args.kernel == "heavy")
         # (1) rebuild after a one-kernel edit vs load_inline
         rb = bench_rebuild(ws, cfg, args.edits)
         res["rebuild_s"] = {"median": statistics.median(rb), "all": rb}
         print(f"rebuild after one-kernel edit: {rb}", flush=True)
         res["load_inline_s"] = None if args.skip_load_inline else bench_load_inline(args.device)
         # (2) checks per minute (baselines cached by the first check)
-        task = TASK.format(rows=rows, cols=cols)
+        task = (HEAVY_TASK if args.kernel == "heavy" else TASK).format(rows=rows, cols=cols)
         t = time.perf_counter()
         first = sandbox.check(task, ws, cfg)
         res["first_check_s"] = time.perf_counter() - t

@@ -284,3 +284,10 @@ def test_profile_ncu_summary_plumbing_with_a_stand_in_ncu(tmp_path, monkeypatch)
     assert out.startswith("ncu kernel summary") and "--print-summary per-kernel" in out and "python .ncu/run.py" in out
     assert "lib relu True" in out, out
     assert ".ncu/relu.so" not in "".join(tools.snapshot(ep.ws)), "build products stay out of snapshots"
+
+
+def test_a_turn_that_samples_no_token_keeps_the_others_aligned():
+    """The k-th run of policy tokens belongs to the k-th turn that sampled anything."""
+    mask = [0, 0, 1, 1, 0, 1, 1, 1, 1, 0]
+    out = env.flat_logprobs(mask, [[-0.1, -0.2], [], [-0.3, -0.4, -0.5, -0.6]])
+    assert out == [0, 0, -0.1, -0.2, 0, -0.3, -0.4, -0.5, -0.6, 0]

@@ -506,9 +506,9 @@ def test_pool(cfg):
 
 
 def test_precision_rule():
-    assert sandbox._precision(SandboxConfig(device="cuda", rtol=1e-2)) == "tf32"
-    assert sandbox._precision(SandboxConfig(device="cuda", rtol=1e-4)) == "fp32"
-    assert sandbox._precision(SandboxConfig(device="cpu", rtol=1e-2)) == "fp32"
+    assert sandbox.precision_of(SandboxConfig(device="cuda", rtol=1e-2)) == "tf32"
+    assert sandbox.precision_of(SandboxConfig(device="cuda", rtol=1e-4)) == "fp32"
+    assert sandbox.precision_of(SandboxConfig(device="cpu", rtol=1e-2)) == "fp32"
 
 
 # --- guard detection: the static layer refuses code that inspects the harness (only the last timed
@@ -574,5 +574,5 @@ def test_prewarm_fills_inductor_cache_only(tmp_path):
     inductor = tmp_path / "cache" / "inductor"
     assert any(p.is_file() for p in inductor.rglob("*")), "prewarm left the inductor cache empty"
     assert not (tmp_path / "cache" / "baselines.json").exists()
-    sandbox._baseline_cache(c, f"{h}|cpu|{sandbox._precision(c)}", {"eager_ms": 1.0})
+    sandbox.baseline_cache(c, f"{h}|cpu|{sandbox.precision_of(c)}", {"eager_ms": 1.0, "timing": sandbox.BASELINE_TIMING})
     assert sandbox.prewarm([SOFTMAX_TASK], c) == {}

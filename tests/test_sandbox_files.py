@@ -18,6 +18,7 @@ import pytest
 
 import reward
 import sandbox
+import sandbox_build
 import sandbox_child
 import workspace
 from sandbox import SandboxConfig, TaskError
@@ -230,7 +231,7 @@ def test_more_kernels_than_max_kernels_is_an_error(ws, cfg):
 
 def test_compiles_share_one_workspace_budget(ws, cfg, monkeypatch):
     """A compile that outlasts the workspace's budget is stopped there (not at compile_timeout_s per kernel)."""
-    monkeypatch.setattr(sandbox, "_compile_cmd", lambda src, so, text="": ["sleep", "30"])  # a slow compiler
+    monkeypatch.setattr(sandbox_build, "_compile_cmd", lambda src, so, text="": ["sleep", "30"])  # a slow compiler
     shutil.copy(ws / "kernels" / "relu.cpp", ws / "kernels" / "relu2.cpp")
     (ws / "kernels" / "relu2.cpp").write_text("// another kernel\n")
     c = dataclasses.replace(cfg, compile_budget_s=1.5, compile_timeout_s=60)
@@ -255,7 +256,7 @@ def secrets_for(ws, cfg) -> list[str]:
 @BWRAP
 def test_compile_child_sees_no_cache_repo_or_siblings(ws, cfg, monkeypatch):
     probe = " ".join(f"if test -e {p}; then echo LEAK {p}; exit 1; fi;" for p in secrets_for(str(ws), cfg))
-    monkeypatch.setattr(sandbox, "_compile_cmd", lambda src, so, text="": ["sh", "-c", f"{probe} : > {so}"])
+    monkeypatch.setattr(sandbox_build, "_compile_cmd", lambda src, so, text="": ["sh", "-c", f"{probe} : > {so}"])
     ok, log, _ = within(lambda: sandbox.compile_workspace(str(ws), cfg), 30)
     assert ok and "LEAK" not in log, log
 
@@ -272,7 +273,7 @@ def test_hidden_child_still_runs_the_worker(ws, cfg, tmp_path):
             pickle.dump({"cmd": f"{probe}; ls {sandbox.HARNESS_DIR}"}, f)
         job = {"kind": "call", "fn": "subprocess:getoutput", "args_path": args, "device": "cpu"}
         r = within(lambda: sandbox.run_child(job, jobdir, device="cpu", timeout_s=60, mem_limit_mb=4096,
-                                             hide=sandbox._hidden(cfg, str(ws))), 60)
+                                             hide=sandbox.hidden(cfg, str(ws))), 60)
     finally:
         shutil.rmtree(jobdir, ignore_errors=True)
     assert r.result is not None, (r.error, r.stderr)
@@ -313,7 +314,7 @@ for _p in {paths!r}:
 
 @BWRAP
 def test_candidate_child_sees_no_cache_repo_or_siblings(ws, cfg):
-    """Needs the candidate child to be run with hide=sandbox._hidden(cfg, workspace)."""
+    """Needs the candidate child to be run with hide=sandbox.hidden(cfg, workspace)."""
     src = (ws / "model_new.py").read_text()
     (ws / "model_new.py").write_text(src + PROBE_MODEL_NEW.format(paths=secrets_for(str(ws), cfg)))
     v = within(lambda: sandbox.check(RELU_TASK, str(ws), cfg), 90)

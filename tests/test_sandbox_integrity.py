@@ -7,6 +7,7 @@ asserts that the attack gains nothing. Candidates are form (a) files whose "kern
 that the dispatch guard allows), so the tests run on the cpu backend in seconds.
 Run: python -m pytest tests/test_sandbox_integrity.py -q
 """
+import dataclasses
 import json
 import os
 import textwrap
@@ -15,6 +16,7 @@ import pytest
 
 import reward
 import sandbox
+import sandbox_reference
 from sandbox import SandboxConfig, check, static_scan
 
 FIX = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "sandbox")
@@ -198,7 +200,7 @@ def test_an_inflated_cached_baseline_is_retimed_before_a_speedup_tier(cfg, hones
     data[key] = {**entry, "eager_ms": fake, "eager_rounds": [fake] * len(entry.get("eager_rounds", [1])), "runs": 1}
     with open(path, "w") as f:
         json.dump(data, f)
-    sandbox._REF_POOLS.clear()
+    sandbox_reference._REF_POOLS.clear()
     v = check(RELU_TASK, sol(WORK), cfg)
     assert v.correct and v.timings.get("baseline_retimed"), v.to_dict()
     assert v.eager_ms < 10 * true_eager, (v.eager_ms, true_eager)
@@ -219,3 +221,29 @@ def test_a_stash_in_the_build_dir_does_not_survive_into_the_next_check(cfg):
     assert first.correct, first.to_dict()
     second = check(RELU_TASK, src, cfg)
     assert second.correct and second.error is None, second.to_dict()
+
+
+# ----------------------------------------------------------------------------- warm spares: one candidate each
+LEFTOVERS = """
+_marks = [p for p in ("/tmp/stash", os.path.expanduser("~/stash"), "stash") if os.path.exists(p)]
+if _marks or getattr(sys.modules.get("sandbox_worker"), "STASH", None):
+    raise RuntimeError(f"found a stash left by an earlier candidate: {_marks}")
+for _p in ("/tmp/stash", os.path.expanduser("~/stash"), "stash"):
+    open(_p, "w").write("x")
+sys.modules["sandbox_worker"].STASH = 1
+"""
+
+
+def test_warm_spares_serve_one_candidate_each(cfg, tmp_path):
+    """Form (b) checks run in pre-started children; nothing a candidate leaves in its process, /tmp, HOME
+    or job dir reaches the next candidate, and the second check finds its child already started."""
+    c = dataclasses.replace(cfg, warm_spares=1)
+    verdicts = []
+    for i in range(4):
+        ws = tmp_path / f"ep{i}"
+        ws.mkdir()
+        (ws / "model_new.py").write_text(sol(WORK, head=LEFTOVERS))
+        verdicts.append(check(RELU_TASK, str(ws), c))
+    assert all(v.correct for v in verdicts), [v.to_dict() for v in verdicts]
+    assert not verdicts[0].timings["warm_child"] and any(v.timings["warm_child"] for v in verdicts[1:]), \
+        ([v.timings for v in verdicts], sandbox._SPARES.last_error)

@@ -1,0 +1,177 @@
+"""Builds of candidate code for the sandbox: form (b) kernels compiled per file to plain shared objects
+(nvcc / g++, no torch headers; cached by every file the compiler sees), and form (a) `load_inline`
+sources built once by an isolated child that sees no input (candidates run from a private copy).
+
+Smoke: python -m pytest tests/test_sandbox.py -q -k "compile or cache or inline"
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import hashlib
+import os
+import re
+import secrets
+import shutil
+import subprocess
+import time
+from typing import TYPE_CHECKING
+
+import workspace
+from sandbox_child import hidden, new_jobdir, run_child
+from workspace import WorkspaceError
+
+if TYPE_CHECKING:
+    from sandbox import SandboxConfig
+
+
+# ----------------------------------------------------------------------------- compile (form b)
+_VERSIONS: dict[str, str] = {}
+
+
+def _compiler_version(exe: str) -> str:
+    if exe not in _VERSIONS:
+        try:
+            _VERSIONS[exe] = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60).stdout
+        except (OSError, subprocess.SubprocessError):
+            _VERSIONS[exe] = "missing"
+    return _VERSIONS[exe]
+
+
+def cuda_arch() -> str:
+    """sm_XX of GPU 0 (nvidia-smi), overridable with CUDA_AGENT_ARCH=90; default 90 (H100/H200)."""
+    if os.environ.get("CUDA_AGENT_ARCH"):
+        return os.environ["CUDA_AGENT_ARCH"].replace("sm_", "").replace(".", "")
+    with contextlib.suppress(OSError, subprocess.SubprocessError, IndexError):
+        out = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30).stdout.split()
+        return out[0].replace(".", "")
+    return "90"
+
+
+def _compile_cmd(src: str, so: str, text: str = "") -> list[str]:
+    """nvcc for .cu (+ -lcublas when the source mentions cublas), g++ -fopenmp for .cpp."""
+    if src.endswith(".cu"):
+        a = cuda_arch()
+        return ["nvcc", "-O3", "-shared", "-Xcompiler", "-fPIC", f"-gencode=arch=compute_{a},code=sm_{a}",
+                "-o", so, src] + (["-lcublas"] if "cublas" in text.lower() else [])
+    return [os.environ.get("CXX", "g++"), "-O3", "-shared", "-fPIC", "-fopenmp", "-march=native", "-o", so, src]
+
+
+def trim_log(log: str, ok: bool, limit: int = 3000) -> str:
+    """Keep error/warning lines (+2 lines of context); the tail when nothing matches."""
+    lines, keep = log.splitlines(), []
+    for i, ln in enumerate(lines):
+        if re.search(r"\berror\b|\bwarning\b|undefined reference|cannot find|no such file", ln, re.I):
+            keep += lines[i:i + 3]
+    text = "\n".join(dict.fromkeys(keep)) if keep else ("" if ok else log[-1500:])
+    return text[:limit]
+
+
+def _compile_one(ws: str, name: str, ext: str, cfg: SandboxConfig,
+                 deadline: float | None = None) -> tuple[bool, str, str | None]:
+    """Compile kernels/NAME.ext in its own sandbox, cached by sha256(what the compiler sees, flags, compiler,
+    arch). The job dir gets a safe copy (`workspace.copy_tree`) of all of kernels/, nested dirs included,
+    minus the other kernels' sources and build products, and the key is the digest of that copy: a header
+    in kernels/impl/ is part of the key, and an edit of another kernel does not rebuild this one.
+    `deadline` (time.monotonic) is the workspace's shared compile budget."""
+    kdir, own = os.path.join(ws, "kernels"), f"{name}{ext}"
+    jobdir = new_jobdir()
+    try:
+        wdir = os.path.join(jobdir, "w")
+        others = tuple(f for f in os.listdir(kdir) if f.endswith((".cu", ".cpp")) and f != own)
+        workspace.copy_tree(kdir, wdir, ignore_suffixes=(".so",), skip_names=others)
+        cmd = _compile_cmd(own, f"{name}.so", workspace.read_text(os.path.join(wdir, own)))
+        h = hashlib.sha256(f"{workspace.tree_digest(wdir)}|{' '.join(cmd)}|{_compiler_version(cmd[0])}".encode())
+        cache = os.path.join(os.path.expanduser(cfg.cache_dir), "kernels", h.hexdigest()[:32])
+        so = os.path.join(cache, f"{name}.so")
+        if os.path.exists(so):
+            return True, "", so
+        timeout = cfg.compile_timeout_s
+        left = deadline - time.monotonic() if deadline is not None else timeout
+        if left <= 0:
+            return False, f"{own}: not compiled: the workspace's compile budget of {cfg.compile_budget_s:g} s is spent", None
+        r = run_child({}, jobdir, device="cpu", timeout_s=min(timeout, left), mem_limit_mb=cfg.mem_limit_mb,
+                      cmd=cmd, hide=hidden(cfg, ws))
+        log = r.stdout + r.stderr
+        built = os.path.join(wdir, f"{name}.so")
+        if r.error and left < timeout and r.error.startswith("timed out"):
+            return False, f"{own}: compiler stopped: the workspace's compile budget of {cfg.compile_budget_s:g} s " \
+                          f"is spent\n{trim_log(log, False)}", None
+        if r.error:  # timeout or memory
+            return False, f"{own}: compiler {r.error}\n{trim_log(log, False)}", None
+        if r.rc != 0 or not os.path.exists(built):
+            return False, f"{own}: compile failed\n{trim_log(log, False)}", None
+        os.makedirs(cache, exist_ok=True)
+        tmp = f"{so}.{secrets.token_hex(4)}"
+        shutil.copy(built, tmp)
+        os.replace(tmp, so)  # atomic: concurrent compiles of the same source are fine
+        return True, trim_log(log, True), so
+    except WorkspaceError as e:
+        return False, str(e), None
+    finally:
+        shutil.rmtree(jobdir, ignore_errors=True)
+
+
+def compile_workspace(ws: str, cfg: SandboxConfig, workers: int | None = None) -> tuple[bool, str, dict[str, str]]:
+    """Compile every kernels/NAME.cu (cuda) / NAME.cpp (both) separately; returns (ok, log, {name: so}).
+    A link or special file anywhere in the workspace, more than cfg.max_kernels sources, or compiles that
+    together outlast cfg.compile_budget_s fail it with one line first in the log."""
+    exts = (".cu", ".cpp") if cfg.device == "cuda" else (".cpp",)
+    try:
+        files = workspace.walk(ws)
+    except WorkspaceError as e:
+        return False, str(e), {}
+    srcs = sorted(f[len("kernels/"):] for f in files if f.startswith("kernels/") and f.count("/") == 1
+                  and f.endswith(exts))
+    names = [os.path.splitext(s) for s in srcs]
+    dup = {n for n, _ in names if sum(m == n for m, _ in names) > 1}
+    if dup:
+        return False, f"two kernel sources share the name {sorted(dup)[0]}", {}
+    if len(names) > cfg.max_kernels:
+        return False, f"{len(names)} kernel sources in kernels/, more than max_kernels={cfg.max_kernels}", {}
+    deadline = time.monotonic() + cfg.compile_budget_s  # one budget for the whole workspace
+    with cf.ThreadPoolExecutor(max(1, min(len(names), workers or os.cpu_count() or 1))) as ex:
+        results = list(ex.map(lambda ne: _compile_one(ws, ne[0], ne[1], cfg, deadline), names))
+    ok = all(r[0] for r in results)
+    log = "\n".join(r[1] for r in results if r[1]).strip()
+    return ok, log, {n: r[2] for (n, _), r in zip(names, results) if r[2]}
+
+
+def build_inline(cand: str, wdir: str, cfg: SandboxConfig, gpu) -> str:
+    """The load_inline build dir of this source (cache_dir/torch_ext/<sha>), built if it is not yet.
+
+    The build child imports the solution and constructs ModelNew, with the build dir writable and no input,
+    seed or reference anywhere in reach. Candidate children only ever get a private copy of it, so nothing
+    a checked run writes there survives into another check (no stash of answers across checks)."""
+    with open(cand) as f:
+        src = f.read()
+    ext = os.path.join(os.path.expanduser(cfg.cache_dir), "torch_ext", hashlib.sha256(src.encode()).hexdigest()[:16])
+    os.makedirs(ext, exist_ok=True)
+    if os.path.exists(os.path.join(ext, ".built")):
+        return ext
+    jobdir = new_jobdir()
+    try:
+        bdir = os.path.join(jobdir, "w")
+        os.makedirs(bdir)
+        shutil.copy(cand, os.path.join(bdir, "solution.py"))
+        shutil.copy(os.path.join(wdir, "task.py"), os.path.join(bdir, "task.py"))
+        job = {"kind": "build", "cand_path": os.path.join(bdir, "solution.py"), "cand_dir": bdir,
+               "task_path": os.path.join(bdir, "task.py"), "init_seed": cfg.seed, "device": cfg.device}
+        r = run_child(job, jobdir, device=cfg.device, timeout_s=cfg.compile_timeout_s + 60,
+                      mem_limit_mb=cfg.mem_limit_mb, gpu=gpu, writable=(ext,), hide=hidden(cfg),
+                      env={"TORCH_EXTENSIONS_DIR": ext})
+    finally:
+        shutil.rmtree(jobdir, ignore_errors=True)
+    if r.result is not None and r.result.get("built"):
+        with open(os.path.join(ext, ".built"), "w") as f:
+            f.write("ok")
+    return ext  # a failed build is reported by the candidate child, which builds again in its copy
+
+
+def copy_build(src: str, dst: str):
+    """Copy a build dir (written by candidate code: links and special files are refused), keeping mtimes so
+    that ninja sees the objects as up to date."""
+    for rel in workspace.copy_tree(src, dst, ignore_suffixes=(), file_cap=1 << 30, total_cap=2 << 30):
+        st = os.lstat(os.path.join(src, rel))
+        os.utime(os.path.join(dst, rel), ns=(st.st_atime_ns, st.st_mtime_ns))

@@ -1,0 +1,55 @@
+"""Ctrl-C: `check` stops within 5 s, kills every sandbox child, prints one line and exits 130 (no traceback)."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIX = os.path.join(ROOT, "tests", "fixtures", "sandbox")
+SLOW = """
+import torch
+import torch.nn as nn
+class ModelNew(nn.Module):
+    def __init__(self):
+        super().__init__()
+        import time
+        time.sleep(600)  # a candidate that hangs while the check waits for it
+"""
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True).stdout.split("\n")
+    kids, tree = {}, [pid]
+    for line in out:
+        if line.strip():
+            p, pp = map(int, line.split())
+            kids.setdefault(pp, []).append(p)
+    for p in tree:
+        tree += kids.get(p, [])
+    return tree[1:]
+
+
+def test_ctrl_c_kills_sandbox_children_and_exits_130(tmp_path):
+    sol = tmp_path / "slow.py"
+    sol.write_text(SLOW)
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "cuda_agent.py"), "check",
+                             os.path.join(FIX, "relu_task.py"), str(sol), "--sandbox.device", "cpu"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={**os.environ, "CUDA_AGENT_CACHE": str(tmp_path / "cache")})
+    t_end = time.time() + 240
+    while time.time() < t_end and proc.poll() is None and not any("sandbox_worker" in open(f"/proc/{p}/cmdline").read().replace("\0", " ")
+                                          for p in _children(proc.pid) if os.path.exists(f"/proc/{p}/cmdline")):
+        time.sleep(0.5)
+    time.sleep(3)  # the candidate child is inside ModelNew's __init__ by now
+    kids = _children(proc.pid)
+    assert kids, f"no sandbox child was started: {proc.poll()} {proc.stderr.read() if proc.poll() is not None else ''}"
+    t0 = time.time()
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert time.time() - t0 < 5, f"took {time.time() - t0:.1f} s to stop"
+    assert proc.returncode == 130, (proc.returncode, err[-2000:])
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("interrupted"), err[-2000:]
+    time.sleep(0.5)
+    alive = [p for p in kids if os.path.exists(f"/proc/{p}") and "Z" not in open(f"/proc/{p}/stat").read().split()[2]]
+    assert not alive, f"sandbox children still alive after Ctrl-C: {alive}"
