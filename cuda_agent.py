@@ -4,12 +4,15 @@
     python cuda_agent.py train --preset paper           # the paper's recipe on a real MoE (GPU node)
     python cuda_agent.py check TASK SOLUTION [--sandbox.device auto|cpu|cuda] [--reward speedup] [--json]
     python cuda_agent.py solve TASK --policy.kind replay|hf|openai [--env.max-turns N] [--out DIR]
+    python cuda_agent.py solve TASK --policy.adapter runs/tiny/adapter   # a trained run's actor on its base
     python cuda_agent.py synth [--n-candidates N] [--out data/synth.jsonl]
     python kernelbench_eval.py --level 2                # KernelBench evaluation (its own entry point)
 
 Configs nest the configs of the parts they drive (`--env.max-turns`, `--sandbox.atol`, `--policy.model`);
 the string under each dataclass field is its `--help`. `python cuda_agent.py CMD --help` lists them.
---sandbox.device auto (every command's default) is cuda when torch lists a GPU, else cpu.
+--sandbox.device auto (the default of train, check, solve, synth and kernelbench_eval, and train's --device) is
+cuda when torch lists a GPU, else cpu. solve's budgets follow the machine too: the paper's 150 turns with a GPU,
+20 turns, 32k tokens and 1024 tokens per turn without one.
 
 Exit codes: check 0 correct (PASS), 1 not correct (FAIL); solve 0 a correct solution was found, 1 none;
 train and synth 0 finished; every command 2 on bad arguments or an infrastructure error (one line, no traceback).
@@ -125,6 +128,14 @@ def solve_env() -> env.EnvConfig:
     return env.EnvConfig(max_turns=20, max_context_tokens=32768)
 
 
+def solve_policy() -> policy.PolicyConfig:
+    """solve's policy defaults, sized for this machine like solve_env: 4096 tokens per turn with a GPU, 1024
+    on a CPU-only machine (a local hf model samples there at tens of tokens per second)."""
+    if env.resolve_device("auto") == "cuda":
+        return policy.PolicyConfig()
+    return policy.PolicyConfig(max_new_tokens=1024)
+
+
 @dataclass
 class SolveConfig:
     task: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="TASK")]
@@ -135,8 +146,8 @@ class SolveConfig:
     """the one seed: sampling and the sandbox's inputs"""
     quiet: bool = False
     """do not print the live transcript"""
-    policy: policy.PolicyConfig = field(default_factory=policy.PolicyConfig)
-    """who acts"""
+    policy: policy.PolicyConfig = field(default_factory=solve_policy)
+    """who acts (--policy.max-new-tokens sized for this machine, see solve_policy)"""
     env: env.EnvConfig = field(default_factory=solve_env)
     """the episode (its work_dir is OUT/workspaces; budgets sized for this machine, see solve_env)"""
     sandbox: sandbox.SandboxConfig = field(default_factory=lambda: sandbox.SandboxConfig(device="auto"))
@@ -257,4 +268,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(sandbox.interruptible(main))  # Ctrl-C: every sandbox child killed, one line, exit 130

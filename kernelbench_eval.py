@@ -20,9 +20,9 @@ wrote its report (whatever the pass rate), 2 bad arguments or an infrastructure 
 Smoke (CPU, fixtures, samples mode):
   python kernelbench_eval.py --kernelbench-dir tests/fixtures/kernelbench --level 1 2 \
       --samples-dir tests/fixtures/kernelbench/samples --sandbox.device cpu --sandbox.no-profile --out runs/kb_smoke
-Full (GPU node, agent mode, the paper's Table 1 set: L1-L3 with a trained adapter, 200 turns):
-  python kernelbench_eval.py --level 1 2 3 --policy.kind hf --policy.model BASE --policy.adapter ADAPTER \
-      --gpus 0 1 2 3 --out runs/kb_eval
+Full (GPU node, agent mode, the paper's Table 1 set: L1-L3 with a trained adapter, 200 turns; train's
+OUT/adapter names its base model, so --policy.adapter is enough):
+  python kernelbench_eval.py --level 1 2 3 --policy.adapter runs/paper/adapter --gpus 0 1 2 3 --out runs/kb_eval
 """
 from __future__ import annotations
 
@@ -137,7 +137,7 @@ def prepare(cfg: EvalConfig) -> EvalConfig:
         raise env.UsageError(f"--samples-dir: no such directory {cfg.samples_dir}")
     if cfg.samples_dir is None and (why := policy.policy_problem(cfg.policy)):
         raise env.UsageError(f"{why}; or pass --samples-dir DIR to score pre-generated kernels")
-    return dataclasses.replace(cfg, kernelbench_dir=source, hf_dataset=None,
+    return dataclasses.replace(cfg, kernelbench_dir=source, hf_dataset=None, policy=policy.resolve_policy(cfg.policy),
                                sandbox=dataclasses.replace(cfg.sandbox, device=dev))
 
 
@@ -404,26 +404,32 @@ def write_report(path: str, summary: dict, records: list[dict], cfg: EvalConfig)
 
 
 def plot_speedups(path: str, records: list[dict]) -> None:
-    """Histogram of log-speedups of correct solutions, one panel per level (vs eager and vs compile)."""
+    """speedup_distribution.png, labelled like train's curves.png: one panel per level, the histogram of the
+    speedups of the correct solutions (x: t_baseline / t_candidate on a log scale, y: problems per bin), one
+    line per baseline (eager, torch.compile) and a dotted line at 1x; the title counts the correct problems."""
     levels = sorted({r["level"] for r in records}) or [0]
-    fig, axes = plt.subplots(1, len(levels), figsize=(5 * len(levels), 3.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(levels), figsize=(5.5 * len(levels), 4), squeeze=False)
     for ax, L in zip(axes[0], levels):
+        rows = [r for r in records if r["level"] == L]
         for key, label in (("speedup_eager", "vs eager"), ("speedup_compile", "vs torch.compile")):
-            xs = [r[key] for r in records if r["level"] == L and r["correct"] and r[key]]
+            xs = [r[key] for r in rows if r["correct"] and r[key]]
             if xs:
                 lo, hi = min(min(xs), 0.5), max(max(xs), 2.0)
                 bins = [lo * (hi / lo) ** (i / 30) for i in range(31)]
                 ax.hist(xs, bins=bins, histtype="step", linewidth=1.5, label=f"{label} (n={len(xs)})")
-        ax.axvline(1.0, color="k", linestyle=":", linewidth=1)
+        ax.axvline(1.0, color="k", linestyle=":", linewidth=1, label="1x: as fast as the baseline")
         ax.set_xscale("log")
         ax.xaxis.set_major_locator(matplotlib.ticker.LogLocator(base=2))
         ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}x"))
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-        ax.set_title(f"KernelBench level {L}")
-        ax.set_xlabel("speedup (t_baseline / t_candidate), correct solutions")
-        ax.set_ylabel("problems")
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
+        ax.yaxis.get_major_locator().set_params(integer=True)
+        n_ok = sum(bool(r["correct"]) for r in rows)
+        ax.set_title(f"KernelBench level {L}: {n_ok}/{len(rows)} problems correct", pad=10)
+        ax.set_xlabel("speedup = t_baseline / t_candidate (log scale; > 1x is faster)")
+        ax.set_ylabel("correct problems per bin")
+        ax.legend(loc="upper right", fontsize=8)
+    fig.suptitle("speedup of each correct solution over eager PyTorch and torch.compile "
+                 "(wrong solutions are not drawn: see the title's count)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -637,7 +643,8 @@ def _run(cfg: EvalConfig, problems: list[Task], res_path: str) -> int:
 
 if __name__ == "__main__":
     import tyro   # the command line only: library users of this module do not need it
-    sys.exit(main(tyro.cli(EvalConfig, description="KernelBench evaluation: paper Table 1 metrics + fast_p. "
-                           "Problems from --kernelbench-dir, --hf-dataset, $KERNELBENCH_DIR or ./KernelBench. "
-                           "Exit codes: 0 the run finished (whatever the pass rate), 2 bad arguments or an "
-                           "infrastructure error.")))
+    cfg = tyro.cli(EvalConfig, description="KernelBench evaluation: paper Table 1 metrics + fast_p. "
+                   "Problems from --kernelbench-dir, --hf-dataset, $KERNELBENCH_DIR or ./KernelBench. "
+                   "Exit codes: 0 the run finished (whatever the pass rate), 2 bad arguments or an "
+                   "infrastructure error, 130 interrupted (Ctrl-C; the results so far are kept and resumed).")
+    sys.exit(sandbox.interruptible(lambda: main(cfg)))

@@ -10,13 +10,15 @@ tool-call parser; the tiny MoE + local tokenizer for tests; the real checkpoint 
   * OpenAIPolicy: any /v1/chat/completions endpoint over urllib, with tool schemas, retries and backoff.
   * ReplayPolicy: plays back scripted or recorded assistant messages (tests, demos).
   * parse_tool_calls: JSON inside <tool_call> (Qwen3) and <function=NAME><parameter=K> (Qwen3-Coder).
-  * build_tiny_model_and_tokenizer(): a random ~0.7M-parameter Qwen3-MoE and a BPE tokenizer trained on a
-    fixed in-file corpus, with the chat template of data/prompts/tiny_chat_template.jinja. No downloads.
+  * build_tiny_model_and_tokenizer(): a random ~1.5M-parameter Qwen3-MoE and a BPE tokenizer trained on a
+    fixed in-file corpus plus the shipped data/ (prompts, tool schemas, tiny tasks, demos), with the chat
+    template of data/prompts/tiny_chat_template.jinja. No downloads.
 
 Departures from the paper
   1. The paper's rollout engine is not published; we sample with the training-side model itself
      (`model.generate`, or generate.Engine); PPO recomputes log-probs on the training side (§3.3).
-  2. The tiny tokenizer is trained on a small fixed corpus: the tiny model exists for tests and smoke runs.
+  2. The tiny tokenizer is trained on a small corpus of this project's own text, without word splitting, so
+     its tokens are long domain phrases: the tiny model exists for tests and smoke runs.
 
 Smoke: python -m pytest -q tests/test_policy.py
 Full:  python cuda_agent.py solve TASK --policy openai --model NAME --endpoint http://host:8000/v1
@@ -24,6 +26,7 @@ Full:  python cuda_agent.py solve TASK --policy openai --model NAME --endpoint h
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import os
 import re
@@ -166,11 +169,33 @@ TINY_CORPUS = [
 ]
 
 
-def build_tiny_tokenizer(vocab_size: int = 2048, corpus: list[str] | None = None):
-    """Byte-level BPE trained on TINY_CORPUS (< 1 s), wrapped as a PreTrainedTokenizerFast."""
-    corpus = corpus if corpus is not None else TINY_CORPUS * 4
+def tiny_domain_corpus() -> list[str]:
+    """What the tiny model reads and writes, from the shipped data/: the prompts, the tool schemas, the tiny
+    tasks and their demonstrations (also JSON-escaped, as write_file arguments carry them). A tokenizer trained
+    on it spells a demonstration's files in 20-50 tokens instead of 590-720 (single-turn, agentic), which is
+    what lets the tiny model learn to reproduce one. Sorted: the same data/ gives the same ids everywhere."""
+    data = os.path.join(tools.REPO, "data")
+    texts = [tools.prompt(n) for n in ("system.md", "system_single.md", "single_turn_format.md", "instructions.md")]
+    texts += [json.dumps(t, ensure_ascii=False) for t in tools.TOOLS]   # as the template's tojson renders them
+    path = os.path.join(data, "tasks_tiny.jsonl")
+    if os.path.isfile(path):
+        with open(path) as f:
+            texts += [json.loads(line)["code"] for line in f if line.strip()]
+    demos = []
+    for root, _, names in sorted(os.walk(os.path.join(data, "demos"))):
+        for n in sorted(names):
+            if n.endswith((".py", ".cpp", ".cu")):
+                with open(os.path.join(root, n)) as f:
+                    demos.append(f.read())
+    return texts + demos + [json.dumps(d) for d in demos]
+
+
+def build_tiny_tokenizer(vocab_size: int = 4096, corpus: list[str] | None = None):
+    """Byte-level BPE trained on TINY_CORPUS and `tiny_domain_corpus()` (< 1 s), as a PreTrainedTokenizerFast.
+    No pre-tokenizer split (use_regex=False): merges cross words and lines, so tokens become whole phrases."""
+    corpus = corpus if corpus is not None else TINY_CORPUS * 4 + tiny_domain_corpus()
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS + TOOL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
@@ -183,10 +208,15 @@ def build_tiny_tokenizer(vocab_size: int = 2048, corpus: list[str] | None = None
     return hf
 
 
-def build_tiny_model_and_tokenizer(seed: int = 0, vocab_size: int = 2048, hidden_size: int = 128,
+def build_tiny_model_and_tokenizer(seed: int = 0, vocab_size: int = 4096, hidden_size: int = 128,
                                    num_layers: int = 2, num_experts: int = 4, top_k: int = 2,
-                                   max_positions: int = 8192):
-    """A random Qwen3-MoE (about 1M params at the defaults) and a local tokenizer. Returns (model, tok)."""
+                                   max_positions: int = 8192, head_std: float = 0.2):
+    """A random Qwen3-MoE (about 1.5M params at the defaults) and a local tokenizer. Returns (model, tok).
+
+    head_std: init std of the output head. LoRA never trains the head or the final norm, so the head's scale
+    caps every logit: at the usual 0.02, with an RMS-normed hidden state of norm ~sqrt(hidden_size), no logit
+    exceeds ~0.02 * hidden_size = 2.6 and no token gets more than ~1% of the mass over thousands of tokens:
+    the adapters could not make the model reproduce anything. 0.2 allows logits of ~25."""
     tok = build_tiny_tokenizer(vocab_size)
     cfg = Qwen3MoeConfig(vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                          moe_intermediate_size=hidden_size, num_hidden_layers=num_layers,
@@ -196,9 +226,26 @@ def build_tiny_model_and_tokenizer(seed: int = 0, vocab_size: int = 2048, hidden
                          pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, head_std)
     model.generation_config.pad_token_id = tok.pad_token_id
     model.generation_config.eos_token_id = tok.eos_token_id
     return model, tok
+
+
+ADAPTER_META = "cuda_agent.json"  # written by `train` into OUT/adapter/: the base model the adapter belongs to
+
+
+def adapter_base(adapter: str) -> str | None:
+    """The base model of an adapter folder written by `train` (OUT/adapter/cuda_agent.json): a hub id or path,
+    or the folder's own base/ (the tiny preset's random base, saved beside it). None: not such a folder."""
+    path = os.path.join(adapter, ADAPTER_META)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        base = json.load(f)["base_model"]
+    local = os.path.join(adapter, base)
+    return local if os.path.isdir(local) else base
 
 
 def load_policy_model(name_or_path: str, adapter: str | None = None, dtype: str = "bfloat16",
@@ -429,7 +476,8 @@ class PolicyConfig:
     model: str | None = None
     """hf: checkpoint path, or "tiny" for a random tiny MoE; openai: the served model name"""
     adapter: str | None = None
-    """hf: optional peft adapter directory (a trained run's LoRA)"""
+    """hf: optional peft adapter directory; a run's OUT/adapter also names its base model, so --policy.kind hf
+    and --policy.model may be left out"""
     endpoint: str = "http://127.0.0.1:8000/v1"
     """openai: base URL of an OpenAI-compatible server (vLLM, SGLang, hosted API)"""
     api_key_env: str = "OPENAI_API_KEY"
@@ -442,9 +490,22 @@ class PolicyConfig:
     """sampling temperature (0: greedy)"""
 
 
+def resolve_policy(cfg: PolicyConfig) -> PolicyConfig:
+    """--policy.adapter OUT/adapter (a folder `train` wrote) implies --policy.kind hf and, unless
+    --policy.model names another, the run's base model (for the tiny preset: the base saved in the folder)."""
+    base = adapter_base(cfg.adapter) if cfg.adapter else None
+    if base is None:
+        return cfg
+    kind = "hf" if cfg.kind == "replay" and not cfg.script else cfg.kind
+    return dataclasses.replace(cfg, kind=kind, model=base if cfg.model in (None, "tiny") else cfg.model)
+
+
 def policy_problem(cfg: PolicyConfig) -> str | None:
     """What `cfg` lacks to build a policy, as one line naming the flag that supplies it (None: nothing).
     Commands call it while validating arguments, before any model, task or sandbox is loaded."""
+    if cfg.adapter and not os.path.isdir(cfg.adapter):
+        return f"--policy.adapter: no such directory {cfg.adapter}"
+    cfg = resolve_policy(cfg)
     if cfg.kind not in ("replay", "hf", "openai"):
         return f"unknown --policy.kind {cfg.kind!r}: choose replay | hf | openai"
     if cfg.kind == "replay" and not cfg.script:
@@ -455,14 +516,17 @@ def policy_problem(cfg: PolicyConfig) -> str | None:
     if cfg.kind in ("hf", "openai") and not cfg.model:
         what = "a checkpoint path, or 'tiny'" if cfg.kind == "hf" else "the served model name"
         return f"--policy.kind {cfg.kind} needs --policy.model ({what})"
-    if cfg.kind == "hf" and cfg.adapter and not os.path.isdir(cfg.adapter):
-        return f"--policy.adapter: no such directory {cfg.adapter}"
+    if cfg.kind == "hf" and cfg.model == "tiny" and cfg.adapter:
+        return (f"--policy.adapter {cfg.adapter} with --policy.model tiny: a tiny adapter needs the base saved "
+                f"beside it (the OUT/adapter folder that train writes)")
     return None
 
 
 def make_policy(cfg: PolicyConfig, device: str = "cpu", seed: int = 0, engine: bool = True):
     """The policy `cfg` describes. device: where an hf model runs (cuda: bf16); engine: for "hf", sample
-    through generate.Engine (KV cache reused across turns) instead of the re-encoding `model.generate` loop."""
+    through generate.Engine (KV cache reused across turns) instead of the re-encoding `model.generate` loop.
+    --policy.adapter with a folder `train` wrote loads that run's base model under the adapter (resolve_policy)."""
+    cfg = resolve_policy(cfg)
     if cfg.kind == "replay":
         assert cfg.script, "--policy.kind replay needs --policy.script (a trajectory JSONL or a JSON list of messages)"
         if cfg.script.endswith(".jsonl"):

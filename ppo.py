@@ -5,30 +5,37 @@
     skipped), the clipped policy loss with clip-higher (`ppo_policy_loss`, Eq. 5), `value_loss` against
     V + A, masks, whitening, explained variance, entropy, the k3 KL, and the RFT filter (`rft_filter`).
   * Models: one frozen base with two LoRA adapters, "actor" and "critic" (switched with set_adapter), and a
-    scalar value head on the critic's last hidden state; the reference policy for the optional KL is the
-    base with adapters disabled. LoRA reaches attention and the fused 3-D MoE experts (peft
-    `target_parameters`).
+    scalar value head on the critic's last hidden state; the reference policy for the optional KL is a frozen
+    copy of the actor taken at the start of the PPO stage (`snapshot_reference`: in stage 4, the RFT actor),
+    or the base with adapters disabled when there is none. LoRA reaches attention and the fused 3-D MoE
+    experts (peft `target_parameters`).
   * Updates on named batch tensors: `collate` -> `score` (old log-probs and values) -> `compute_gae` ->
     `whiten_advantages` -> `ppo_update` (or `sft_update` for RFT). Data parallel: gradients are all-reduced
     by hand, because actor and critic share one PeftModel and DDP cannot wrap a model whose forward uses a
     different adapter each time.
+
+  * Long trajectories: log-probs and entropies are computed at policy tokens only, with the vocabulary
+    projection in checkpointed chunks of LOGIT_CHUNK positions (`token_logprobs`): the (T, V) fp32 logits
+    never exist (3.5 GiB per 1k tokens at Qwen3's 152k vocabulary). GAE is a scan, not a loop over T.
 
 Departures from the paper (the rest are listed in train.py):
   1. LoRA on one frozen base instead of full fine-tuning of two models.
   2. Old log-probs are recomputed by the trainer (`score`), not taken from the rollout engine, which removes
      the train/inference mismatch that §3.3 blames for ratio explosions.
   3. Not stated in the paper, so ours: advantage whitening over the batch, value clipping (off), entropy
-     bonus and KL (off).
+     bonus and KL (off; its reference is a frozen copy of the actor, `snapshot_reference`).
 
 Smoke: python -m pytest -q tests/test_ppo.py tests/test_ppo_learning.py
 """
 from __future__ import annotations
 
+import copy
 import json
 
 import torch
 import torch.distributed as dist
-from peft import LoraConfig, get_peft_model
+import torch.utils.checkpoint
+from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 
 # ----------------------------------------------------------------------------------------------------------
 # Pure math. Every tensor is (B, T): B trajectories, T token positions. `mask` is 1.0 on policy (action)
@@ -93,23 +100,38 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
     discount and no reward: the bootstrap for the last token of turn k is the value at the first policy
     token of turn k+1 (a state that already contains the tool output). Rewards off the mask must be 0
     (the paper puts the reward on the last policy token); this is asserted. Returns = A + V (the critic's
-    target, §4.1); advantages and returns are 0 off the mask.
+    target, §4.1); advantages and returns are 0 off the mask. lam = 1 (with gamma = 1) makes the returns
+    the Monte-Carlo return, the final reward at every step; lam = 0.95 reaches ~1/(1 - 0.95) = 20 steps
+    past each token and bootstraps from the critic beyond that, so on long trajectories it is far from it.
+
+    Vectorised (no loop over T): each row's steps are packed to the left, the deltas computed on the packed
+    rows, and A = the reverse discounted cumsum of the deltas by doubling (log2(steps) tensor ops, float64).
+    The python loop over T it replaces is the reference in tests/test_ppo.py.
     """
     assert rewards.shape == values.shape == mask.shape, f"shapes differ: {rewards.shape} {values.shape} {mask.shape}"
-    m = mask.to(values.dtype)
-    assert (rewards * (1 - m)).abs().sum() == 0, "rewards must sit on policy tokens (mask == 1)"
-    B, T = rewards.shape
+    on = mask > 0                                                                        # (B, T)
+    assert (rewards * ~on).abs().sum() == 0, "rewards must sit on policy tokens (mask == 1)"
+    n = on.sum(1)                                                                        # (B,) steps per row
+    N = int(n.max()) if n.numel() else 0
     adv = torch.zeros_like(values)
-    next_v = torch.zeros(B, dtype=values.dtype, device=values.device)  # V at the next step (0 past the end)
-    next_a = torch.zeros(B, dtype=values.dtype, device=values.device)  # A at the next step
-    for t in reversed(range(T)):  # O(T) python loop, vectorized over B
-        delta = rewards[:, t] + gamma * next_v - values[:, t]
-        a = delta + gamma * lam * next_a
-        on = m[:, t] > 0
-        adv[:, t] = torch.where(on, a, torch.zeros_like(a))
-        next_v = torch.where(on, values[:, t], next_v)  # off-mask positions carry the next step through
-        next_a = torch.where(on, a, next_a)
-    return adv, (adv + values) * m
+    if N == 0:
+        return adv, adv.clone()
+    rows, cols = on.nonzero(as_tuple=True)                     # every step, row-major: in order within a row
+    k = (on.cumsum(1) - 1)[rows, cols]                         # its index among its row's steps
+    v = values.new_zeros(on.shape[0], N, dtype=torch.float64)  # (B, N) packed: step k of each row at column k
+    r = torch.zeros_like(v)
+    v[rows, k], r[rows, k] = values[rows, cols].double(), rewards[rows, cols].double()
+    v_next = torch.nn.functional.pad(v[:, 1:], (0, 1))  # V of the next step; 0 past the row's last (V(s_T) = 0)
+    a = r + gamma * v_next - v                                 # (B, N) deltas; 0 past each row's last step
+    # A_k = sum_{j >= k} c^(j-k) delta_j, c = gamma * lam. After the pass with shift s, a[k] sums the window
+    # [k, k + 2s): a[k] += c^s a[k + s] (Hillis-Steele scan). Zeros past a row's end stop the sum there.
+    c, s = gamma * lam, 1
+    while s < N:
+        a = a + (c ** s) * torch.nn.functional.pad(a[:, s:], (0, s))
+        s *= 2
+    adv[rows, cols] = a[rows, k].to(values.dtype)
+    m = on.to(values.dtype)
+    return adv * m, (adv + values) * m
 
 
 def _per_trajectory_then_batch(per_token: torch.Tensor, mask: torch.Tensor, num_traj: int | None) -> torch.Tensor:
@@ -246,9 +268,26 @@ def rft_filter(trajectories: list[dict], min_reward: float = 0.0, max_identical_
     return kept
 
 
+def drop_turns(mask: list[int], keep: list[bool]) -> list[int]:
+    """mask with the k-th run of policy tokens (the k-th assistant turn that sampled tokens) set to 0 where
+    keep[k] is False: RFT imitates the turns it keeps, the dropped ones stay in the context."""
+    assert sum(1 for i, x in enumerate(mask) if x and (i == 0 or not mask[i - 1])) == len(keep), \
+        "one keep flag per run of policy tokens"
+    out, k = list(mask), -1
+    for i, x in enumerate(mask):
+        if x and (i == 0 or not mask[i - 1]):
+            k += 1
+        if x and not keep[k]:
+            out[i] = 0
+    return out
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Models: one frozen base, two LoRA adapters ("actor", "critic") on the same PeftModel, a scalar value head.
-# The reference policy for the optional KL is the base with adapters disabled: one copy of the base weights.
+# The reference policy for the optional KL is a third, frozen adapter "ref" (a copy of the actor), or the
+# base with adapters disabled. Either way there is one copy of the base weights.
+
+REF = "ref"
 
 LORA_TARGETS = {
     "attention": {"modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
@@ -299,28 +338,89 @@ def adapter_params(model, name: str) -> list[torch.nn.Parameter]:
     return ps
 
 
+def snapshot_reference(model) -> None:
+    """Copy the actor adapter into the frozen "ref" adapter, the KL reference from now on. train.py calls it at
+    the start of each PPO stage, so stage 4's KL pulls toward the RFT actor (what stage 4 starts from), not
+    toward the base that stage 1 left behind. Costs one more adapter (~0.63B parameters on Qwen3-30B-A3B)."""
+    if REF not in model.peft_config:
+        model.add_adapter(REF, copy.deepcopy(model.peft_config["actor"]))
+    set_peft_model_state_dict(model, get_peft_model_state_dict(model, adapter_name="actor"), adapter_name=REF)
+    model.set_adapter("actor")  # peft trains the active adapter only: "ref" stays frozen
+    assert not any(p.requires_grad for p in adapter_params(model, REF)), "the KL reference must stay frozen"
+
+
 def _decoder(model):
     """The inner decoder stack of a PeftModel-wrapped causal LM (LoRA layers are injected in place)."""
     lm = model.get_base_model()
     return lm.model
 
 
+LOGIT_CHUNK = 1024  # positions per vocabulary projection: (1024, 151936) fp32 logits are 0.6 GiB
+
+
+def _chunk_logp_entropy(lm_head, h: torch.Tensor, tgt: torch.Tensor, temperature: float, with_entropy: bool,
+                        entropy_grad: bool):
+    """log softmax(lm_head(h) / temperature)[tgt] and the entropy, for one chunk: h (C, H), tgt (C,) -> (C,), (C,)."""
+    z = lm_head(h).float() / temperature                                    # (C, V): the only full-vocab tensor
+    lse = torch.logsumexp(z, -1)                                            # (C,)
+    logp = z.gather(-1, tgt.unsqueeze(-1)).squeeze(-1) - lse
+    if not with_entropy:
+        return logp, torch.zeros_like(logp)
+    # no graph for an entropy that gets no gradient: a checkpointed chunk recomputes every tensor its graph saved
+    # and frees each when its backward uses it, so an unused branch would hold its (C, V) tensors to the end of
+    # the backward (52 GiB at 48k policy tokens of a 152k vocabulary, seen on an H200)
+    with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+        ent = lse - (torch.softmax(z, -1) * z).sum(-1)                      # H = lse - E_p[z]
+    return logp, ent
+
+
+def token_logprobs(lm_head, h: torch.Tensor, tgt: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False,
+                   entropy_grad: bool = False, chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (N,) of targets tgt (N,) under lm_head(h) for hidden states h (N, H), and entropies (N,), in
+    chunks of `chunk` positions (default LOGIT_CHUNK): the (N, V) fp32 logits never exist at once. With
+    autograd on, each chunk is checkpointed (its logits are recomputed in backward), so the backward holds one
+    chunk's logits too.
+    The entropy carries a gradient only with entropy_grad (an entropy bonus); else it is a statistic."""
+    chunk = chunk or LOGIT_CHUNK
+    grad = torch.is_grad_enabled() and (h.requires_grad or any(p.requires_grad for p in lm_head.parameters()))
+    lps, ents = [], []
+    for i in range(0, h.shape[0], chunk):
+        args = (lm_head, h[i:i + chunk], tgt[i:i + chunk], temperature, with_entropy, entropy_grad)
+        lp, ent = (torch.utils.checkpoint.checkpoint(_chunk_logp_entropy, *args, use_reentrant=False) if grad
+                   else _chunk_logp_entropy(*args))
+        lps.append(lp)
+        ents.append(ent)
+    if not lps:
+        z = h.new_zeros(0, dtype=torch.float32)
+        return z, (z if with_entropy else None)
+    return torch.cat(lps), (torch.cat(ents) if with_entropy else None)
+
+
 def actor_logprobs(model, ids: torch.Tensor, attn: torch.Tensor, temperature: float = 1.0,
-                   adapter: str | None = "actor", with_entropy: bool = False):
+                   adapter: str | None = "actor", with_entropy: bool = False, mask: torch.Tensor | None = None,
+                   entropy_grad: bool = False):
     """logp[:, t] = log pi(ids[:, t] | ids[:, :t]) (B, T), 0 at t = 0; and entropy (B, T) if asked.
 
-    adapter=None evaluates the reference policy (base, adapters disabled) for the optional KL.
+    mask (B, T): compute only where mask == 1 (the policy tokens; 0 elsewhere), None = every position. The
+    decoder runs once; the vocabulary projection runs on the selected positions in chunks (`token_logprobs`),
+    so memory grows with the policy tokens times LOGIT_CHUNK, not with T * V.
+    adapter: which LoRA adapter acts ("actor", or "ref" for the KL reference); None = the base, adapters off.
     """
     if adapter is None:
         with model.disable_adapter():
-            return actor_logprobs(model, ids, attn, temperature, "__none__", with_entropy)
+            return actor_logprobs(model, ids, attn, temperature, "__none__", with_entropy, mask, entropy_grad)
     if adapter != "__none__":
         model.set_adapter(adapter)
-    logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1].float()  # (B, T-1, V)
-    logits = logits / temperature
-    logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # (B, T-1)
+    lm = model.get_base_model()
+    assert getattr(lm.config, "final_logit_softcapping", None) is None, "logits are lm_head(h): no soft-capping"
+    h = _decoder(model)(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state[:, :-1]  # (B, T-1, H)
+    sel = (mask[:, 1:] > 0) if mask is not None else torch.ones_like(ids[:, 1:], dtype=torch.bool)     # (B, T-1)
+    lp, ent = token_logprobs(lm.get_output_embeddings(), h[sel], ids[:, 1:][sel], temperature, with_entropy,
+                             entropy_grad)
+    logp = torch.zeros(sel.shape, dtype=lp.dtype, device=lp.device).masked_scatter(sel, lp)            # (B, T-1)
     logp = torch.nn.functional.pad(logp, (1, 0))
-    ent = torch.nn.functional.pad(entropy_from_logits(logits), (1, 0)) if with_entropy else None
+    if with_entropy:
+        ent = torch.nn.functional.pad(torch.zeros_like(logp[:, 1:]).masked_scatter(sel, ent), (1, 0))
     return logp, ent
 
 
@@ -355,14 +455,15 @@ def _pad(rows: list[torch.Tensor], value: float = 0.0) -> torch.Tensor:
 
 def collate(ids: list[list[int]], masks: list[list[int]], rewards: list[float] | None, pad_id: int, device):
     """(b_ids, b_attn, b_mask, b_rewards), each (B, T) on `device`; the reward sits on each row's last policy
-    token (§3, Eq. 1), 0 elsewhere (b_rewards is all zeros when `rewards` is None)."""
+    token (§3, Eq. 1), 0 elsewhere (b_rewards is all zeros when `rewards` is None). A row with no policy token
+    (every turn sampled 0 tokens) is kept with an all-zero mask: it adds nothing to any loss."""
     t_ids = [torch.as_tensor(x, dtype=torch.long) for x in ids]
     t_mask = [torch.as_tensor(m, dtype=torch.float32) for m in masks]
     rew = []
     for i, m in enumerate(t_mask):
-        assert m.sum() > 0, "a sample with an empty policy mask cannot be trained on"
         r = torch.zeros_like(m)
-        r[int(m.nonzero()[-1])] = float(rewards[i]) if rewards is not None else 0.0
+        if m.sum() > 0:  # a trajectory whose turns sampled no token has no step to credit: it trains nothing
+            r[int(m.nonzero()[-1])] = float(rewards[i]) if rewards is not None else 0.0
         rew.append(r)
     out = (_pad(t_ids, pad_id), _pad([torch.ones_like(i) for i in t_ids]), _pad(t_mask), _pad(rew))
     return tuple(x.to(device) for x in out)
@@ -380,19 +481,24 @@ def micro_batches(idx: list[int], size: int, b_attn: torch.Tensor) -> list[tuple
 
 @torch.no_grad()
 def score(model, head, b_ids: torch.Tensor, b_attn: torch.Tensor, micro_batch_size: int, temperature: float,
-          need_logp: bool = True, need_ref: bool = False):
-    """Old values (critic), old log-probs (actor) and reference log-probs (base, for the KL), each (B, T),
-    computed micro-batch by micro-batch; b_logp / b_ref_logp are None when not asked for."""
+          need_logp: bool = True, need_ref: bool = False, b_mask: torch.Tensor | None = None):
+    """Old values (critic), old log-probs (actor) and reference log-probs (for the KL), each (B, T), computed
+    micro-batch by micro-batch; b_logp / b_ref_logp are None when not asked for. With b_mask, log-probs are
+    computed at policy tokens only (0 elsewhere). The KL reference is the "ref" adapter when the model has one
+    (train.py snapshots the actor into it at the start of a PPO stage), else the base with adapters off."""
     b_values = torch.zeros(b_ids.shape, device=b_ids.device)
     b_logp = torch.zeros(b_ids.shape, device=b_ids.device) if need_logp else None
     b_ref = torch.zeros(b_ids.shape, device=b_ids.device) if need_ref else None
+    ref = REF if REF in model.peft_config else None
     for rows, T in micro_batches(list(range(len(b_ids))), micro_batch_size, b_attn):
         ids, attn = b_ids[rows, :T], b_attn[rows, :T]
+        mask = b_mask[rows, :T] if b_mask is not None else None
         b_values[rows, :T] = critic_values(model, head, ids, attn)
         if need_logp:
-            b_logp[rows, :T] = actor_logprobs(model, ids, attn, temperature)[0]
+            b_logp[rows, :T] = actor_logprobs(model, ids, attn, temperature, mask=mask)[0]
         if need_ref:
-            b_ref[rows, :T] = actor_logprobs(model, ids, attn, temperature, adapter=None)[0]
+            b_ref[rows, :T] = actor_logprobs(model, ids, attn, temperature, adapter=ref, mask=mask)[0]
+    model.set_adapter("actor")
     return b_values, b_logp, b_ref
 
 
@@ -450,22 +556,26 @@ def ppo_update(model, head, opt: dict, cfg, b_ids, b_attn, b_mask, b_logp, b_val
     accumulate gradients with the full-minibatch trajectory count (§4.1: mean over each trajectory's tokens,
     then over trajectories), so the update does not depend on the micro-batch size."""
     B = len(b_ids)
-    world = max(1, (n_global or B) // max(1, B))
+    n_all = int(global_sum(torch.tensor(float(B), device=b_ids.device)).item())
+    assert n_global is None or n_global == n_all, f"n_global {n_global} != {n_all} trajectories over all ranks"
     stats: dict[str, list[float]] = {}
     actor_ps, critic_ps = adapter_params(model, "actor"), adapter_params(model, "critic") + list(head.parameters())
     model.train()  # gradient checkpointing (if enabled) is active in train mode; LoRA dropout is 0
     for _epoch in range(cfg.ppo_epochs):
-        perm = torch.randperm(B).tolist()
-        mb_size = max(1, -(-B // cfg.num_minibatches))
-        for mb in (perm[i:i + mb_size] for i in range(0, B, mb_size)):
-            n_traj = len(mb) * world  # trajectories in this minibatch over all ranks
+        # exactly num_minibatches per rank (some may be empty), so every rank takes the same optimizer steps
+        # and all-reduces in step even when ranks hold different counts (1024 trajectories on 6 GPUs)
+        for mb in (m.tolist() for m in torch.tensor_split(torch.randperm(B), cfg.num_minibatches)):
+            n_traj = int(global_sum(torch.tensor(float(len(mb)), device=b_ids.device)).item())  # over all ranks
+            if n_traj == 0:
+                continue
             for o in opt.values():
                 o.zero_grad(set_to_none=True)
             for rows, T in micro_batches(mb, cfg.micro_batch_size, b_attn):
                 ids, attn, mask = b_ids[rows, :T], b_attn[rows, :T], b_mask[rows, :T]  # (b, T) each
                 scale = n_traj / len(rows)  # per-micro-batch loss -> its own mean, for the logs
                 if train_actor:
-                    logp, ent = actor_logprobs(model, ids, attn, cfg.temperature, with_entropy=True)
+                    logp, ent = actor_logprobs(model, ids, attn, cfg.temperature, with_entropy=True, mask=mask,
+                                               entropy_grad=cfg.entropy_coef > 0)
                     pg, st = ppo_policy_loss(logp, b_logp[rows, :T], b_adv[rows, :T], mask, cfg.eps_low,
                                              cfg.eps_high, num_traj=n_traj)
                     loss = pg
@@ -498,17 +608,17 @@ def sft_update(model, opt_actor, cfg, b_ids, b_attn, b_mask, n_global: int | Non
     """One RFT step (§3.3 stage 2): next-token NLL on the action tokens only (b_mask == 1), averaged per
     trajectory then over trajectories; one optimizer step over the batch (micro-batched)."""
     B = len(b_ids)
-    world = max(1, (n_global or B) // max(1, B))
+    n_all = n_global or B  # trajectories in this step over all ranks (ranks may hold different counts)
     model.train()
     opt_actor.zero_grad(set_to_none=True)
     nll_sum = 0.0
     for rows, T in micro_batches(list(range(B)), cfg.micro_batch_size, b_attn):
-        logp, _ = actor_logprobs(model, b_ids[rows, :T], b_attn[rows, :T], cfg.temperature)
-        loss = _per_trajectory_then_batch(-logp, b_mask[rows, :T], B * world)
+        logp, _ = actor_logprobs(model, b_ids[rows, :T], b_attn[rows, :T], cfg.temperature, mask=b_mask[rows, :T])
+        loss = _per_trajectory_then_batch(-logp, b_mask[rows, :T], n_all)
         loss.backward()
         nll_sum += loss.item()
     ps = adapter_params(model, "actor")
     all_reduce_grads(ps)
     gn = torch.nn.utils.clip_grad_norm_(ps, cfg.max_grad_norm)
     opt_actor.step()
-    return {"sft_nll": nll_sum * world, "grad_norm_actor": gn.item()}
+    return {"sft_nll": nll_sum * n_all / max(B, 1), "grad_norm_actor": gn.item()}  # this rank's mean NLL

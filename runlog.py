@@ -1,8 +1,13 @@
 """What a training run writes to its run directory: the checkpoint, metrics.jsonl, TensorBoard, curves.png.
 
-  * `save_checkpoint` / `load_checkpoint`: both LoRA adapters, the value head, the optimizers, every RNG, the
-    stage and step, and the resolved config, written to run_dir/checkpoint.pt through a temporary file and
-    os.replace (a kill leaves the previous checkpoint intact).
+  * `save_checkpoint` / `load_checkpoint`: both LoRA adapters (and the KL reference's, when there is one), the
+    value head, the optimizers, every RNG, the stage and step, and the resolved config, written to
+    run_dir/checkpoint.pt through a temporary file and os.replace (a kill leaves the previous checkpoint intact).
+  * `save_adapter`: run_dir/adapter/, what users load: the actor as a plain peft adapter folder
+    (adapter_config.json + adapter_model.safetensors, `PeftModel.from_pretrained(base, DIR)`), critic/ (the
+    critic adapter + value_head.safetensors), base/ for the tiny preset's random base model, and
+    cuda_agent.json naming the base model, stage and step. `cuda_agent.py solve --policy.adapter DIR` and
+    `kernelbench_eval.py --policy.adapter DIR` load it.
   * `Logger`: a tqdm bar per stage (the step's key numbers in its postfix; the full line per step with
     --verbose), one JSON row per step in metrics.jsonl, optional TensorBoard (behind --tensorboard);
     `truncate_metrics` drops rows past a resumed checkpoint.
@@ -21,22 +26,28 @@ import os
 import random
 import time
 
+import shutil
+
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
 from peft import get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors.torch import save_file
 from tqdm import tqdm
+
+from policy import ADAPTER_META
 
 STAGES = {1: "warmup", 2: "rft", 3: "value", 4: "agentic"}   # the four stages of §3.3, in order
 
 
 def save_checkpoint(run_dir: str, model, head, opt: dict, stage: int, step: int, cfg) -> None:
-    ck = {"actor": get_peft_model_state_dict(model, adapter_name="actor"),
-          "critic": get_peft_model_state_dict(model, adapter_name="critic"),
+    ck = {name: get_peft_model_state_dict(model, adapter_name=name) for name in ("actor", "critic", "ref")
+          if name in model.peft_config}
+    ck.update({
           "head": head.state_dict(), "opt": {k: o.state_dict() for k, o in opt.items()},
           "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
                   "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-          "stage": stage, "step": step, "config": dataclasses.asdict(cfg)}
+          "stage": stage, "step": step, "config": dataclasses.asdict(cfg)})
     path = os.path.join(run_dir, "checkpoint.pt")
     torch.save(ck, path + ".tmp")
     os.replace(path + ".tmp", path)  # atomic: a kill leaves the previous checkpoint intact
@@ -47,8 +58,12 @@ def load_checkpoint(run_dir: str, model, head) -> dict | None:
     if not os.path.exists(path):
         return None
     ck = torch.load(path, map_location="cpu", weights_only=False)
-    for name in ("actor", "critic"):
-        set_peft_model_state_dict(model, ck[name], adapter_name=name)
+    if "ref" in ck and "ref" not in model.peft_config:  # the KL reference of a stage in progress
+        model.add_adapter("ref", dataclasses.replace(model.peft_config["actor"]))
+    for name in ("actor", "critic", "ref"):
+        if name in ck:
+            set_peft_model_state_dict(model, ck[name], adapter_name=name)
+    model.set_adapter("actor")
     head.load_state_dict(ck["head"])
     random.setstate(ck["rng"]["python"])
     np.random.set_state(ck["rng"]["numpy"])
@@ -56,6 +71,32 @@ def load_checkpoint(run_dir: str, model, head) -> dict | None:
     if ck["rng"]["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(ck["rng"]["cuda"])
     return ck
+
+
+def save_adapter(run_dir: str, model, head, meta: dict, base_dir: str | None = None) -> str:
+    """Write run_dir/adapter/ (see the module docstring) through adapter.tmp and a rename, so a reader sees
+    the previous folder or the new one. meta: what cuda_agent.json records ("base_model": hub id or path);
+    base_dir: a saved base model to copy in as base/ (the tiny preset's random base). Returns the folder."""
+    out, tmp = os.path.join(run_dir, "adapter"), os.path.join(run_dir, "adapter.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, selected_adapters=["actor", "critic"])  # peft: tmp/actor/, tmp/critic/
+    for f in os.listdir(os.path.join(tmp, "actor")):                   # the actor is the folder itself
+        os.replace(os.path.join(tmp, "actor", f), os.path.join(tmp, f))
+    os.rmdir(os.path.join(tmp, "actor"))
+    save_file({k: v.detach().float().cpu().contiguous() for k, v in head.state_dict().items()},
+              os.path.join(tmp, "critic", "value_head.safetensors"))
+    if base_dir:
+        shutil.copytree(base_dir, os.path.join(tmp, "base"))
+        meta = {**meta, "base_model": "base"}  # relative: the folder can be moved
+    with open(os.path.join(tmp, ADAPTER_META), "w") as f:
+        json.dump(meta, f, indent=1)
+    old = out + ".old"
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(out):
+        os.replace(out, old)
+    os.replace(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
+    return out
 
 
 def truncate_metrics(path: str, stage: int, step: int) -> None:
@@ -80,7 +121,8 @@ class Logger:
     on a CPU); `verbose` also prints every step's full line."""
 
     KEYS = ("reward_mean", "pass_rate", "entropy", "clipfrac", "approx_kl", "explained_variance",
-            "heldout_explained_variance", "sft_nll", "v_loss", "n_kept", "gen_tok_s", "train_tok_s")
+            "heldout_explained_variance", "heldout_ev_final_reward", "sft_nll", "v_loss", "n_kept", "gen_tok_s",
+            "train_tok_s")
     SHORT = {"reward_mean": "reward", "pass_rate": "pass", "heldout_explained_variance": "ev_heldout",
              "explained_variance": "ev", "sft_nll": "nll", "v_loss": "v_loss", "n_kept": "kept"}
 

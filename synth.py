@@ -36,13 +36,13 @@ import re
 import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 
 import torch
 from tqdm import tqdm
 
 from demos import write_demos
-from env import EpisodeState
+from env import EpisodeState, resolve_device
 from policy import PolicyConfig, make_policy
 from sandbox import SandboxConfig
 from synth_filters import FILTERS, kernelbench_refs, run_chunk, static_filters
@@ -56,8 +56,9 @@ from tasks import source_hash
 
 def _synth_sandbox() -> SandboxConfig:
     """The sandbox settings synth starts from: quicker timing than rewards need (medians of 10 runs decide a
-    1-100 ms window), and room for a chunk of candidates in one child."""
-    return SandboxConfig(mem_limit_mb=16384, warmup=3, iters=10)
+    1-100 ms window), room for a chunk of candidates in one child, and device auto (cuda when torch lists a
+    GPU, else cpu; `main` resolves it) like every other command."""
+    return SandboxConfig(device="auto", mem_limit_mb=16384, warmup=3, iters=10)
 
 
 @dataclass
@@ -71,8 +72,9 @@ class SynthConfig:
     seed: int = 0
     """master seed; candidate i uses its own RNG seeded by (seed, i), and its inputs the seed itself"""
     sandbox: SandboxConfig = field(default_factory=_synth_sandbox)
-    """where and how the execution filters run: device, mem_limit_mb (one child), warmup/iters (eager and
-    compiled timing), atol/rtol (nondegenerate and runs_compile); its other fields do not apply here"""
+    """where and how the execution filters run: device (auto | cpu | cuda), mem_limit_mb (one child),
+    warmup/iters (eager and compiled timing), atol/rtol (nondegenerate and runs_compile); its other fields do
+    not apply here"""
     scale: str = "auto"
     """tensor sizes and runtime window: cuda (1-100 ms, real sizes) | cpu (0.02-50 ms, small) | auto (= device)"""
     min_ms: float | None = None
@@ -413,6 +415,7 @@ def _record(cfg: SynthConfig, i: int, cand: dict | None, v: dict) -> tuple[dict,
 
 def main(cfg: SynthConfig) -> int:
     t0 = time.time()
+    cfg = replace(cfg, sandbox=replace(cfg.sandbox, device=resolve_device(cfg.sandbox.device)))  # auto -> cpu|cuda
     sb = cfg.sandbox
     preset = sb.device.split(":")[0] if cfg.scale == "auto" else cfg.scale
     assert preset in PRESETS, f"--scale must be one of {sorted(PRESETS)} or auto, got {cfg.scale!r}"

@@ -13,12 +13,27 @@ Departures from the paper
      ~10x the paper's full fine-tuning 3e-6 / 6e-6, keeping its 1:2 actor:critic ratio.
   2. The paper's Seed1.6 is not public: `--preset paper` uses Qwen/Qwen3-Coder-30B-A3B-Instruct, an open
      MoE of the same family (3B active of 30B, agentic coding, 256k context).
-  3. The tiny preset (default) is a random ~0.4M-parameter Qwen3-MoE that never writes a correct kernel, so
+  3. The tiny preset (default) starts from a random ~1.5M-parameter Qwen3-MoE that cannot write a kernel, so
      it mixes shipped demonstrations (data/demos, `--demo-fraction`) into stage-1/2 batches, replayed
-     through the same env and flagged `source: demo`. The paper preset has no demos.
+     through the same env and flagged `source: demo`. After RFT on them it writes the kernels of its four
+     tasks (data/tasks_tiny4.jsonl) itself in stage 4: its tokenizer, trained on data/, spells a
+     demonstration in ~50 tokens. The paper preset has no demos.
   4. Not stated in the paper, so ours: stage lengths of stages 1-3, fresh AdamW per stage, one context
-     budget (--env.max-context-tokens) for both modes; stage-3 targets are GAE returns from the current critic.
-  5. Multi-GPU: one process per training GPU (data parallel over trajectories); the sandbox gets its own GPUs.
+     budget (--env.max-context-tokens) for both modes, a per-turn token cap (--max-new-tokens, 8,192 in the
+     paper preset, stage 1's single answer included); stage 2's size (paper preset: 1,024 rollouts, 200 SFT
+     steps of 64 trajectories = 12,800 samples drawn from the kept pool, ~12.5 epochs if all 1,024 are kept,
+     more if fewer are); stage 3's targets are Monte-Carlo returns (--value-lam 1), fitted on 75% of the
+     stage-2 trajectories (--value-heldout 0.25 held out to report explained variance); the KL reference
+     (--kl-coef, off) is the actor as each PPO stage starts (stage 4: the RFT actor).
+  5. RFT filter: reward > 0, no loops, no repeated or malformed calls (the paper's pattern filter), and the
+     agent turns that called no tool are not imitated (--rft-drop-no-call-turns, the paper's "redundant
+     turns"); trajectories cut by a limit are kept unless --rft-drop-truncated.
+  6. Multi-GPU: one process per training GPU (data parallel over trajectories, a batch dealt round-robin, so
+     ranks may hold one trajectory more than others); the sandbox gets its own GPUs.
+
+OUT/adapter/ (every checkpoint and the end): the actor as a peft adapter folder, the critic and value head, and
+the base model's name (the tiny preset's random base is saved in it); `cuda_agent.py solve TASK
+--policy.adapter OUT/adapter` and `kernelbench_eval.py --policy.adapter OUT/adapter` load it.
 
 Smoke: python cuda_agent.py train                  (tiny preset, CPU, offline)
 Full:  accelerate launch --num_processes 6 cuda_agent.py train --preset paper --sandbox-gpus 6 7
@@ -65,11 +80,12 @@ class TrainConfig:
     """the one seed (python, numpy, torch, sampling)"""
     model: str = "tiny"
     """tiny = random tiny Qwen3-MoE + local tokenizer (offline); else a HF hub id or local path"""
-    tasks: str = "data/tasks_tiny.jsonl"
-    """training tasks, anything tasks.load_tasks accepts (synth JSONL, Ops-6K parquet, HF id)"""
+    tasks: str = "data/tasks_tiny4.jsonl"
+    """training tasks, anything tasks.load_tasks accepts (synth JSONL, Ops-6K parquet, HF id); tiny: 4 pointwise
+    tasks of data/tasks_tiny.jsonl, each with a demonstration, few enough for the tiny model to learn them all"""
     demos: str | None = "data/demos"
     """demo solutions (dir of <task hash>/<backend>/) mixed into stage 1/2 rollouts; none = off"""
-    demo_fraction: float = 0.25
+    demo_fraction: float = 0.5
     """share of each stage-1 and stage-2 rollout batch filled with demonstration trajectories"""
     device: str = "auto"
     """training device: auto | cpu | cuda (with accelerate launch: the local rank's GPU)"""
@@ -86,10 +102,11 @@ class TrainConfig:
     """bf16 weights and activations (GPU)"""
     grad_checkpointing: bool = False
     """gradient checkpointing of the base model (GPU, long contexts)"""
-    max_new_tokens: int = 64
+    max_new_tokens: int = 96
     """tokens sampled per assistant turn"""
-    temperature: float = 1.0
-    """sampling temperature (log-probs in the loss use the same temperature)"""
+    temperature: float = 0.5
+    """sampling temperature (log-probs in the loss use the same temperature); tiny: 0.5, so that a policy that
+    has learned a demonstration reproduces it most of the time; paper: 1.0 (not stated)"""
     rollout_engine: bool = True
     """sample rollouts with generate.Engine (per-episode KV cache reused across turns); off: the plain
     model.generate loop that re-encodes each conversation every turn"""
@@ -99,19 +116,24 @@ class TrainConfig:
     """LoRA alpha (scale = alpha / rank)"""
     lora_targets: str = "attention,experts"
     """comma-separated subset of attention | experts (fused 3-D MoE params) | mlp (dense MLP)"""
-    lr_actor: float = 2e-3
-    """actor LoRA learning rate (paper full fine-tuning: 3e-6; LoRA needs ~10x more)"""
+    lr_actor: float = 5e-5
+    """actor LoRA learning rate of the PPO stages 1 and 4 (paper full fine-tuning: 3e-6; LoRA needs ~10x more)"""
+    lr_rft: float | None = 2e-3
+    """actor LoRA learning rate of stage 2's SFT (none = --lr-actor; paper: not stated). Tiny: 40x the PPO rate,
+    to learn the demonstrations in 80 steps; PPO at that rate makes one Adam step of the same size out of
+    the near-zero gradients of a policy that already reproduces them, and collapses it"""
     lr_critic: float = 4e-3
-    """critic LoRA learning rate (paper full fine-tuning: 6e-6; we keep the paper's 2:1 critic:actor ratio)"""
+    """critic LoRA learning rate (paper full fine-tuning: 6e-6; the paper preset keeps the paper's 2:1
+    critic:actor ratio; tiny: the critic has 4 stage-3 steps to fit)"""
     lr_head: float = 1e-2
     """learning rate of the freshly initialised scalar value head"""
     batch_size: int = 4
     """trajectories per PPO step, summed over ranks (paper: 1024)"""
     micro_batch_size: int = 2
     """trajectories per forward/backward (gradient accumulation; the loss is invariant to it)"""
-    ppo_epochs: int = 2
+    ppo_epochs: int = 1
     """passes over each batch (paper: "one update per batch" -> 1)"""
-    num_minibatches: int = 2
+    num_minibatches: int = 1
     """optimizer steps per epoch (paper: 1)"""
     eps_low: float = 0.2
     """lower clip range of the ratio (Eq. 5)"""
@@ -119,10 +141,13 @@ class TrainConfig:
     """upper clip range of the ratio, clip-higher (Eq. 5)"""
     gamma: float = 1.0
     """GAE discount (paper: 1)"""
-    lam: float = 0.95
-    """GAE lambda (paper: 0.95)"""
-    kl_coef: float = 0.0
-    """KL(pi || base) penalty coefficient, k3 estimator (paper: not stated; 0 = off)"""
+    lam: float = 1.0
+    """GAE lambda of stages 1 and 4 (paper: 0.95). Tiny: 1, advantages R - V(s_t): the correctness of a tiny
+    episode is decided by its first turn, 20-70 policy tokens before the reward, where 0.95^k leaves
+    mostly the noise of a 4-step critic"""
+    kl_coef: float = 0.1
+    """KL penalty coefficient, k3 estimator, against the actor as each PPO stage found it (stage 4: the RFT
+    actor) (paper: not stated; 0 = off); tiny: 0.1, with --lr-actor 5e-5 it keeps stage 4 near the RFT actor"""
     entropy_coef: float = 0.0
     """entropy bonus (paper: not stated; 0 = off)"""
     vf_clip: float | None = None
@@ -133,17 +158,24 @@ class TrainConfig:
     """gradient-norm clip per optimizer"""
     warmup_steps: int = 2
     """stage 1: single-turn PPO warm-up steps"""
-    rft_rollouts: int = 4
+    rft_rollouts: int = 16
     """stage 2: agent trajectories collected with the warm-up policy (before filtering)"""
-    rft_steps: int = 4
+    rft_steps: int = 80
     """stage 2: SFT steps on the filtered trajectories; 0 = no RFT (ablation)"""
     rft_batch_size: int = 2
     """stage 2: trajectories per SFT step"""
+    rft_drop_truncated: bool = False
+    """stage 2: also drop trajectories that hit the turn, context or token limit (not in the paper's filter)"""
+    rft_drop_no_call_turns: bool = True
+    """stage 2: no SFT on agent turns that made no tool call (the paper's "redundant turns"); single-turn exempt"""
     value_pretrain_steps: int = 4
     """stage 3: critic-only steps on the stage-2 trajectories; 0 = no value pretraining (ablation)"""
     value_heldout: float = 0.25
     """stage 3: share of the stage-2 trajectories held out to report explained variance"""
-    agent_steps: int = 2
+    value_lam: float = 1.0
+    """stage 3: GAE lambda of the critic's targets; 1 = Monte-Carlo returns (the final reward at every token,
+    independent of the critic being fitted); --value-lam 0.95 = stage 4's targets (not stated in the paper)"""
+    agent_steps: int = 8
     """stage 4: agentic PPO steps (paper: 150)"""
     checkpoint_every: int = 1
     """write a checkpoint every N steps (and at the end of each stage)"""
@@ -157,22 +189,23 @@ class TrainConfig:
                                                                      tool_workers=4))
     """the agent environment of stages 1, 2 and 4: --env.max-turns 1 = no agent loop (single-turn ablation),
     --env.reward speedup (ablation), --env.max-context-tokens (paper: 32k single-turn, 128k agentic)"""
-    sandbox: sandbox.SandboxConfig = field(default_factory=sandbox.SandboxConfig)
-    """the sandbox that compiles, verifies and times candidates: --sandbox.device cpu | cuda (its seed is --seed)"""
+    sandbox: sandbox.SandboxConfig = field(default_factory=lambda: sandbox.SandboxConfig(device="auto"))
+    """the sandbox that compiles, verifies and times candidates: --sandbox.device auto | cpu | cuda (auto: cuda
+    when torch lists a GPU, else cpu; its seed is --seed)"""
 
 
 # The paper's recipe (§4.1) where it states one; ours (marked) where it does not.
 PRESETS = {
     "tiny": TrainConfig(),
     "paper": TrainConfig(
-        preset="paper", out="runs/paper", model="Qwen/Qwen3-Coder-30B-A3B-Instruct",
+        preset="paper", out="runs/paper", model="Qwen/Qwen3-Coder-30B-A3B-Instruct", temperature=1.0,
         tasks="BytedTsinghua-SIA/CUDA-Agent-Ops-6K", demos=None, demo_fraction=0.0,
         env=env.EnvConfig(max_turns=150, max_context_tokens=131072, tool_workers=4),
         sandbox=sandbox.SandboxConfig(device="cuda"), bf16=True, grad_checkpointing=True, max_new_tokens=8192,
         lora_rank=16, lora_alpha=32.0,       # ours: ~0.63B parameters per adapter on Qwen3-30B-A3B (r = 16)
-        lr_actor=3e-5, lr_critic=6e-5, lr_head=1e-4,        # ours: ~10x the paper's full-FT rates, same 1:2 ratio
+        lr_actor=3e-5, lr_rft=None, lr_critic=6e-5, lr_head=1e-4, kl_coef=0.0,  # ours: ~10x the paper's rates
         batch_size=1024, micro_batch_size=1, ppo_epochs=1, num_minibatches=1,  # "one update per batch"
-        warmup_steps=50, rft_rollouts=1024, rft_steps=200, rft_batch_size=64,  # ours (not stated)
+        lam=0.95, warmup_steps=50, rft_rollouts=1024, rft_steps=200, rft_batch_size=64,  # ours (not stated)
         value_pretrain_steps=50, agent_steps=150, checkpoint_every=1, sample_every=10),
 }
 
@@ -227,15 +260,21 @@ def gather_mean(m: dict, totals: tuple = ()) -> dict:
             else v for k, v in m.items()}
 
 
-def local_demos(run: Run, n_local: int, fraction: float) -> int:
-    """This rank's share of the demonstrations in a global batch of n_local * world episodes. The share is
-    set over the global batch and dealt round-robin, so a 4-episode batch at 25% holds one demonstration
-    on 2 ranks too (rounding per rank would give round(0.5) = 0 on each)."""
+def local_share(n: int) -> int:
+    """This rank's share of n items dealt round-robin: 1024 episodes on 6 ranks are 171 x 4 + 170 x 2 (not
+    6 x 170 = 1020). The updates normalise by the count over all ranks, so unequal shares are exact."""
+    rank, world = rank_world()
+    return n // world + (rank < n % world)
+
+
+def local_demos(run: Run, n: int, fraction: float) -> int:
+    """This rank's share of the demonstrations in a global batch of n episodes. The share is set over the
+    global batch and dealt round-robin, so a 4-episode batch at 25% holds one demonstration on 2 ranks too
+    (rounding per rank would give round(0.5) = 0 on each)."""
     rank, world = rank_world()
     if not run.demos:
         return 0
-    n = round(n_local * world * fraction)
-    return min(n_local, len(range(rank, n, world)))
+    return min(local_share(n), len(range(rank, round(n * fraction), world)))
 
 
 def checkpoint(run: Run, stage: int, step: int, force: bool = False) -> None:
@@ -251,7 +290,13 @@ def checkpoint(run: Run, stage: int, step: int, force: bool = False) -> None:
         dist.broadcast(ref, 0)
         assert torch.allclose(mine, ref, rtol=1e-9, atol=0), f"rank {rank} diverged from rank 0: {mine} vs {ref}"
     if rank == 0 and (force or step % run.cfg.checkpoint_every == 0):
-        runlog.save_checkpoint(run.cfg.out, run.model, run.head, run.opt, stage, step, run.cfg)
+        cfg = run.cfg
+        runlog.save_checkpoint(cfg.out, run.model, run.head, run.opt, stage, step, cfg)
+        meta = {"base_model": cfg.model, "preset": cfg.preset, "stage": stage, "step": step, "seed": cfg.seed,
+                "dtype": "bfloat16" if cfg.bf16 else "float32", "temperature": cfg.temperature,
+                "max_new_tokens": cfg.max_new_tokens, "lora_rank": cfg.lora_rank, "lora_targets": cfg.lora_targets}
+        tiny_base = os.path.join(cfg.out, "tiny_base")
+        runlog.save_adapter(cfg.out, run.model, run.head, meta, tiny_base if cfg.model == "tiny" else None)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -263,6 +308,11 @@ def build_models(cfg: TrainConfig, device: torch.device):
     (offline); else a hub id / local path loaded with the real HF code (policy.load_policy_model)."""
     if cfg.model == "tiny":
         base, tok = policy.build_tiny_model_and_tokenizer(seed=cfg.seed)
+        if rank_world()[0] == 0:
+            # saved once, copied into every OUT/adapter/: the adapter then loads onto these exact weights,
+            # whatever later versions of torch's initialisation or of build_tiny_model_and_tokenizer do (~4 MB)
+            base.save_pretrained(os.path.join(cfg.out, "tiny_base"))
+            tok.save_pretrained(os.path.join(cfg.out, "tiny_base"))
     else:
         base, tok = policy.load_policy_model(cfg.model, dtype="bfloat16" if cfg.bf16 else "float32",
                                              device=str(device))
@@ -369,9 +419,9 @@ def ppo_iteration(run: Run, stage: int, step: int, trajs: list | None = None, si
     if fresh:
         run.logger.phase("rollout")
         t0 = time.time()
-        n_local = max(1, cfg.batch_size // world)
+        n_local = local_share(max(cfg.batch_size, world))
         wd = os.path.join(cfg.out, "workspaces", f"s{stage}_{step}_r{rank}")
-        trajs = rollout(run, n_local, local_demos(run, n_local, demo_fraction), single_turn, wd)
+        trajs = rollout(run, n_local, local_demos(run, max(cfg.batch_size, world), demo_fraction), single_turn, wd)
         t_gen = time.time() - t0
         tasks_mod.save_trajectories(os.path.join(cfg.out, "rollouts", f"s{stage}_{step:04d}_r{rank}.jsonl"),
                                     trajs, stage=stage, step=step)
@@ -383,9 +433,11 @@ def ppo_iteration(run: Run, stage: int, step: int, trajs: list | None = None, si
     # 3) score: old values (critic), old log-probs (actor, recomputed by the trainer), reference log-probs
     b_values, b_logp, b_ref_logp = ppo.score(run.model, run.head, b_ids, b_attn, cfg.micro_batch_size,
                                              cfg.temperature, need_logp=train_actor,
-                                             need_ref=train_actor and cfg.kl_coef > 0)           # (B, T) each
+                                             need_ref=train_actor and cfg.kl_coef > 0, b_mask=b_mask)  # (B, T)
     # 4) advantages: token-level GAE (Eq. 5, gamma 1, lambda 0.95); returns V + A are the critic's targets
-    b_adv, b_returns = ppo.compute_gae(b_rewards, b_values, b_mask, cfg.gamma, cfg.lam)           # (B, T) each
+    # (stage 3 fits them with --value-lam: 1 = Monte-Carlo returns)
+    lam = cfg.lam if train_actor else cfg.value_lam
+    b_adv, b_returns = ppo.compute_gae(b_rewards, b_values, b_mask, cfg.gamma, lam)               # (B, T) each
     m = {**rollout_metrics(trajs, rewards, t_gen)} if fresh else {}
     m.update(ppo.score_stats(b_values, b_returns, b_adv, b_mask))
     if cfg.whiten_advantages:
@@ -393,30 +445,42 @@ def ppo_iteration(run: Run, stage: int, step: int, trajs: list | None = None, si
     # 5) PPO update: clipped actor loss with clip-higher + critic loss, per-trajectory-then-batch means
     t1 = time.time()
     m.update(ppo.ppo_update(run.model, run.head, run.opt, cfg, b_ids, b_attn, b_mask, b_logp, b_values, b_adv,
-                            b_returns, b_ref_logp, n_global=len(trajs) * world, train_actor=train_actor))
+                            b_returns, b_ref_logp, train_actor=train_actor))
     n_tok = sum(len(t.ids) for t in trajs) * cfg.ppo_epochs * (2 if train_actor else 1)  # actor + critic passes
     m["train_tok_s"] = n_tok / max(time.time() - t1, 1e-9)
     if heldout:
-        m["heldout_explained_variance"] = heldout_explained_variance(run, heldout)
+        m["heldout_explained_variance"], m["heldout_ev_final_reward"] = heldout_explained_variance(run, heldout)
     # 6) log (rank 0) and, now and then, one decoded sample (the caller checkpoints)
     run.logger.log(stage, step, gather_mean(m))
     if fresh and rank == 0 and cfg.verbose and cfg.sample_every and step % cfg.sample_every == 0:
         print_sample(trajs, run.tok, run.logger)
 
 
-def heldout_explained_variance(run: Run, trajs: list) -> float:
-    """The critic's explained variance on trajectories it is not trained on (stage 3; paper Fig. 5)."""
+def heldout_explained_variance(run: Run, trajs: list) -> tuple[float, float]:
+    """The critic's explained variance on trajectories it is not trained on (stage 3; paper Fig. 5), against
+    its own training targets (GAE returns at --value-lam) and against the final reward (Monte-Carlo, lambda 1:
+    what a critic must predict whatever lambda; with --value-lam 1 the two are the same)."""
     rewards = [reward.reward_from_verdict(t.final_verdict, run.cfg.env.reward) for t in trajs]
     b_ids, b_attn, b_mask, b_rewards = ppo.collate([t.ids for t in trajs], [t.mask for t in trajs], rewards,
                                                    run.pad_id, run.device)
     b_values, _, _ = ppo.score(run.model, run.head, b_ids, b_attn, run.cfg.micro_batch_size, run.cfg.temperature,
                                need_logp=False)
-    b_adv, b_returns = ppo.compute_gae(b_rewards, b_values, b_mask, run.cfg.gamma, run.cfg.lam)
-    return ppo.score_stats(b_values, b_returns, b_adv, b_mask)["explained_variance"]
+    _, b_returns = ppo.compute_gae(b_rewards, b_values, b_mask, run.cfg.gamma, run.cfg.value_lam)       # (B, T)
+    _, final = ppo.compute_gae(b_rewards, b_values, b_mask, run.cfg.gamma, 1.0)  # (B, T) Monte-Carlo returns
+    on = b_mask > 0
+    if on.sum() < 2:
+        return float("nan"), float("nan")
+    v = b_values[on]
+    return (ppo.explained_variance(v, b_returns[on], torch.ones_like(v)),
+            ppo.explained_variance(v, final[on], torch.ones_like(v)))
 
 
 def ppo_stage(run: Run, stage: int, n_steps: int, start: int, single_turn: bool, demo_fraction: float) -> None:
-    """Stage 1 (single-turn warm-up) and stage 4 (agentic PPO)."""
+    """Stage 1 (single-turn warm-up) and stage 4 (agentic PPO). With --kl-coef, the KL reference is the actor
+    as this stage found it (stage 4: the RFT actor), snapshotted here; a resumed run restores the snapshot
+    from the checkpoint."""
+    if run.cfg.kl_coef > 0 and (start == 0 or ppo.REF not in run.model.peft_config):
+        ppo.snapshot_reference(run.model)
     for step in range(start, n_steps):
         ppo_iteration(run, stage, step, single_turn=single_turn, demo_fraction=demo_fraction)
         checkpoint(run, stage, step + 1, force=step + 1 == n_steps)
@@ -433,12 +497,12 @@ def rft_stage(run: Run, start: int) -> None:
     if start == 0:
         run.logger.phase("rollout")
         t0 = time.time()
-        n_local = max(1, cfg.rft_rollouts // world)
-        trajs = rollout(run, n_local, local_demos(run, n_local, cfg.demo_fraction), cfg.env.max_turns == 1,
+        n = max(cfg.rft_rollouts, world)
+        trajs = rollout(run, local_share(n), local_demos(run, n, cfg.demo_fraction), cfg.env.max_turns == 1,
                         os.path.join(cfg.out, "workspaces", f"s2_r{rank}"))
         tasks_mod.save_trajectories(_stage2_file(run) + ".tmp", trajs, stage=2, step=0)
         os.replace(_stage2_file(run) + ".tmp", _stage2_file(run))
-        kept = [v["traj"] for v in ppo.rft_filter([rft_view(t) for t in trajs])]
+        kept = [t for t in trajs if rft_sample(t, cfg) is not None]
         rewards = [reward.reward_from_verdict(t.final_verdict, cfg.env.reward) for t in trajs]
         m = {**rollout_metrics(trajs, rewards, time.time() - t0), "n_kept": len(kept),
              "n_kept_demo": sum(t.source == "demo" for t in kept)}
@@ -447,16 +511,16 @@ def rft_stage(run: Run, start: int) -> None:
         start = 1
     trajs = tasks_mod.load_trajectories(_stage2_file(run))
     # data parallel: the filter keeps different counts on different ranks, so every rank pools all ranks'
-    # kept trajectories and each step deals out one global batch in equal shards (equal shards keep the
-    # gradient all-reduce in step on every rank; a short pool is sampled with replacement to fill them)
-    kept = all_ranks([(v["traj"].ids, v["traj"].mask) for v in ppo.rft_filter([rft_view(t) for t in trajs])])
+    # kept trajectories and each step deals out one global batch round-robin (a pool smaller than the
+    # number of ranks is sampled with replacement, so that every rank has a row)
+    kept = all_ranks([x for x in (rft_sample(t, cfg) for t in trajs) if x is not None])
     if not kept and cfg.rft_steps > 0:
         print("[ppo] RFT: no trajectory passed the filter (reward > 0, no loops/invalid calls): SFT skipped")
         return
     for step in range(start, cfg.rft_steps + 1):
         t1 = time.time()
         rng = random.Random(cfg.seed * 1_000_003 + step)  # the same global batch on every rank
-        n = -(-min(len(kept), cfg.rft_batch_size) // world) * world
+        n = max(min(len(kept), cfg.rft_batch_size), world)
         batch = rng.sample(kept, n) if n <= len(kept) else rng.choices(kept, k=n)
         local = batch[rank::world]
         b_ids, b_attn, b_mask, _ = ppo.collate([i for i, _ in local], [m for _, m in local], None, run.pad_id,
@@ -467,9 +531,25 @@ def rft_stage(run: Run, start: int) -> None:
         checkpoint(run, 2, step + 1, force=step == cfg.rft_steps)
 
 
+def rft_sample(t: tasks_mod.Trajectory, cfg: TrainConfig) -> tuple[list[int], list[int]] | None:
+    """What stage 2 imitates of one trajectory: (ids, mask), or None if `ppo.rft_filter` drops it. With
+    --rft-drop-no-call-turns the agent turns that called no tool leave the mask (`ppo.drop_turns`); a
+    trajectory with no policy token left is dropped."""
+    if not ppo.rft_filter([rft_view(t)], drop_truncated=cfg.rft_drop_truncated):
+        return None
+    mask = list(t.mask)
+    if cfg.rft_drop_no_call_turns and t.stop_reason != "single_turn":
+        # one mask run per assistant turn that sampled tokens (a 0-token turn has none)
+        sampled = [m.get("token_ids") != [] for m in t.messages if m["role"] == "assistant"]
+        keep = [bool(turn["calls"]) for turn, s in zip(t.turns, sampled) if s]
+        mask = ppo.drop_turns(mask, keep)
+    return (list(t.ids), mask) if any(mask) else None
+
+
 def value_stage(run: Run, start: int) -> None:
-    """Stage 3: fit the critic to GAE targets (V + A, recomputed from the current critic each step) on the
-    stage-2 trajectories, actor frozen; report explained variance on a held-out split."""
+    """Stage 3: fit the critic to the returns at --value-lam (1: Monte-Carlo, the final reward; < 1: GAE
+    returns recomputed from the current critic each step) on the stage-2 trajectories, actor frozen; report
+    explained variance on a held-out split, against those targets and against the final reward."""
     cfg = run.cfg
     trajs = tasks_mod.load_trajectories(_stage2_file(run))
     idx = list(range(len(trajs)))
@@ -477,7 +557,7 @@ def value_stage(run: Run, start: int) -> None:
     n_held = max(1, int(round(len(trajs) * cfg.value_heldout))) if len(trajs) > 1 else 0
     held, train_set = [trajs[i] for i in idx[:n_held]], [trajs[i] for i in idx[n_held:]]
     for step in range(start, cfg.value_pretrain_steps):
-        batch = random.sample(train_set, min(len(train_set), cfg.batch_size))
+        batch = random.sample(train_set, min(len(train_set), local_share(max(cfg.batch_size, rank_world()[1]))))
         ppo_iteration(run, 3, step, trajs=batch, train_actor=False, heldout=held)
         checkpoint(run, 3, step + 1, force=step + 1 == cfg.value_pretrain_steps)
 
@@ -499,6 +579,9 @@ def setup(cfg: TrainConfig) -> torch.device:
 
 def train(cfg: TrainConfig) -> int:
     """Run the four stages in order (§3.3), resuming from OUT/checkpoint.pt with --resume."""
+    # --sandbox.device auto (the default) -> cuda when torch lists a GPU, else cpu; resolved once, here
+    sb = dataclasses.replace(cfg.sandbox, device=env.resolve_device(cfg.sandbox.device))
+    cfg = dataclasses.replace(cfg, sandbox=sb)
     device = setup(cfg)
     rank, world = rank_world()
     if cfg.cpu_threads > 0:
@@ -546,7 +629,9 @@ def train(cfg: TrainConfig) -> int:
     try:
         for s in range(stage, 5):
             step0 = start if s == stage else 0
-            run.opt = ppo.make_optimizers(model, head, cfg)  # fresh AdamW per stage (different objectives)
+            # fresh AdamW per stage (different objectives); stage 2's SFT may have its own rate (--lr-rft)
+            lr = cfg.lr_rft if s == 2 and cfg.lr_rft is not None else cfg.lr_actor
+            run.opt = ppo.make_optimizers(model, head, dataclasses.replace(cfg, lr_actor=lr))
             if ck and s == stage and step0 > 0:
                 for k, o in run.opt.items():
                     o.load_state_dict(ck["opt"][k])

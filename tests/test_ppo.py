@@ -3,6 +3,7 @@
 Run: python -m pytest -q tests/test_ppo.py -x
 """
 import math
+import time
 
 import pytest
 import torch
@@ -25,6 +26,24 @@ def naive_gae(rewards, values, mask, gamma, lam):
             v_next = values[b][t]
             adv[b][t] = a_next
     return adv
+
+
+def loop_gae(rewards, values, mask, gamma, lam):
+    """Reference: the O(T) python loop over positions, vectorised over rows (what compute_gae was before its
+    scan). Off-mask positions carry the next step's value and advantage through."""
+    m = mask.to(values.dtype)
+    B, T = rewards.shape
+    adv = torch.zeros_like(values)
+    next_v = torch.zeros(B, dtype=values.dtype)
+    next_a = torch.zeros(B, dtype=values.dtype)
+    for t in reversed(range(T)):
+        delta = rewards[:, t] + gamma * next_v - values[:, t]
+        a = delta + gamma * lam * next_a
+        on = m[:, t] > 0
+        adv[:, t] = torch.where(on, a, torch.zeros_like(a))
+        next_v = torch.where(on, values[:, t], next_v)
+        next_a = torch.where(on, a, next_a)
+    return adv, (adv + values) * m
 
 
 def test_gae_hand_unrolled_single_turn():
@@ -78,6 +97,58 @@ def test_gae_lambda_one_gamma_one_is_monte_carlo():
     rewards = torch.tensor([[0.5, 0, 0, 0, 2.0]])
     _, ret = ppo.compute_gae(rewards, values, mask, 1.0, 1.0)
     torch.testing.assert_close(ret, torch.tensor([[2.5, 2.0, 0, 2.0, 2.0]]))
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 0.95), (1.0, 1.0), (0.99, 0.9), (1.0, 0.0)])
+def test_gae_scan_matches_loop_on_long_multi_turn_rows(gamma, lam):
+    """Rows of different lengths with many turns (gaps), an empty row and padding: the vectorised GAE equals
+    the position loop, including across gaps longer than any power-of-two shift."""
+    g = torch.Generator().manual_seed(3)
+    B, T = 4, 3000
+    mask = torch.zeros(B, T)
+    for b, (start, end) in enumerate([(10, 3000), (500, 2100), (0, 0), (7, 2999)]):
+        pos = start
+        while pos < end:  # turns of 1-200 policy tokens, observations of 0-300 tokens
+            n = int(torch.randint(1, 200, (1,), generator=g))
+            mask[b, pos:min(end, pos + n)] = 1
+            pos += n + int(torch.randint(0, 300, (1,), generator=g))
+    values = torch.randn(B, T, generator=g)
+    rewards = torch.zeros(B, T)
+    for b in range(B):
+        if mask[b].any():
+            rewards[b, int(mask[b].nonzero()[-1])] = float(b) - 1.0
+    rewards += 0.1 * torch.randn(B, T, generator=g) * mask   # dense rewards too
+    adv, ret = ppo.compute_gae(rewards, values, mask, gamma, lam)
+    ref_adv, ref_ret = loop_gae(rewards, values, mask, gamma, lam)
+    torch.testing.assert_close(adv, ref_adv, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ret, ref_ret, rtol=1e-4, atol=1e-4)
+    assert adv[2].abs().sum() == 0 and (adv * (1 - mask)).abs().sum() == 0
+
+
+def test_gae_128k_tokens_under_half_a_second():
+    n_threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the shared 2-core CI box: OpenMP threads next to other jobs only add noise
+    try:
+        _gae_128k()
+    finally:
+        torch.set_num_threads(n_threads)
+
+
+def _gae_128k():
+    g = torch.Generator().manual_seed(0)
+    n = 131072
+    mask = (torch.rand(1, n, generator=g) > 0.1).float()
+    values = torch.randn(1, n, generator=g)
+    rewards = torch.zeros(1, n)
+    rewards[0, int(mask[0].nonzero()[-1])] = 3.0
+    ppo.compute_gae(rewards, values, mask)  # warm-up
+    t = time.perf_counter()
+    adv, _ = ppo.compute_gae(rewards, values, mask)
+    dt = time.perf_counter() - t
+    assert dt < 0.5, f"GAE on {n} tokens took {dt:.2f} s"
+    ref, _ = loop_gae(rewards[:, -5000:], values[:, -5000:], mask[:, -5000:], 1.0, 0.95)
+    # the last 5,000 positions see no step after them, so the loop on that slice is exact there too
+    torch.testing.assert_close(adv[:, -5000:], ref, rtol=1e-4, atol=1e-4)
 
 
 def test_gae_rejects_reward_off_mask():
@@ -190,6 +261,105 @@ def test_kl_penalty_zero_at_reference():
     logp, old, _, mask = _batch()
     assert ppo.kl_penalty(old, old, mask).item() == 0.0
     assert ppo.kl_penalty(logp, old, mask).item() > 0.0
+
+
+# ---------------------------------------------------------------- chunked log-probs
+
+def _full_logprobs(model, ids, attn, temperature=1.0):
+    """Reference: the full (B, T, V) fp32 logits of the causal LM, log_softmax, gather (and the entropy)."""
+    logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1].float() / temperature
+    logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    pad = lambda x: torch.nn.functional.pad(x, (1, 0))  # noqa: E731
+    return pad(logp), pad(ppo.entropy_from_logits(logits))
+
+
+@pytest.fixture(scope="module")
+def small_lm():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=300, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         num_experts=4, num_experts_per_tok=2, max_position_embeddings=128,
+                         tie_word_embeddings=False)
+    base = Qwen3MoeForCausalLM(cfg)
+    for p in base.parameters():
+        p.requires_grad_(False)
+    model, _ = ppo.add_actor_critic_adapters(base, rank=4, alpha=8, targets="attention,experts")
+    for p in ppo.adapter_params(model, "actor"):  # a trained-looking actor: LoRA B is no longer zero
+        torch.nn.init.normal_(p, std=0.2)
+    return model
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 1024])
+def test_chunked_logprobs_equal_full_values_and_gradients(small_lm, chunk, monkeypatch):
+    """Chunked, policy-positions-only log-probs and entropies equal the full-vocabulary computation at the
+    policy positions (0 elsewhere), and so do the LoRA gradients of a loss on them."""
+    monkeypatch.setattr(ppo, "LOGIT_CHUNK", chunk)
+    model = small_lm
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 300, (3, 21), generator=g)
+    attn = torch.ones_like(ids)
+    attn[2, 15:] = 0
+    mask = (torch.rand(3, 21, generator=g) > 0.3).float() * attn
+    mask[:, 0] = 0
+    ps = ppo.adapter_params(model, "actor")
+    model.set_adapter("actor")
+    ref_lp, ref_ent = _full_logprobs(model, ids, attn, temperature=0.7)
+    ref_loss = ((ref_lp * 1.3 + ref_ent * 0.5) * mask).sum()
+    ref_g = torch.autograd.grad(ref_loss, ps)
+    lp, ent = ppo.actor_logprobs(model, ids, attn, temperature=0.7, with_entropy=True, mask=mask, entropy_grad=True)
+    loss = ((lp * 1.3 + ent * 0.5) * mask).sum()
+    grads = torch.autograd.grad(loss, ps)
+    torch.testing.assert_close(lp, ref_lp * mask, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent, ref_ent * mask, rtol=1e-5, atol=1e-5)
+    assert (lp[mask == 0] == 0).all() and (ent[mask == 0] == 0).all()
+    for a, b in zip(grads, ref_g):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert any(a.abs().sum() > 0 for a in grads)
+    # an entropy that is only a statistic carries no graph (so a backward keeps none of its logits alive)
+    lp2, ent2 = ppo.actor_logprobs(model, ids, attn, temperature=0.7, with_entropy=True, mask=mask)
+    assert lp2.requires_grad and not ent2.requires_grad
+    torch.testing.assert_close(ent2, ent.detach())
+    # no mask: every position, as the full computation
+    with torch.no_grad():
+        lp_all, _ = ppo.actor_logprobs(model, ids, attn, temperature=0.7)
+    torch.testing.assert_close(lp_all, ref_lp.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_token_logprobs_never_builds_more_than_a_chunk_of_logits(small_lm):
+    """The vocabulary projection sees at most `chunk` positions at a time, forward and backward."""
+    head = small_lm.get_base_model().get_output_embeddings()
+    seen = []
+    hook = head.register_forward_hook(lambda m, i, o: seen.append(o.shape[0]))
+    h = torch.randn(50, 32, requires_grad=True)
+    tgt = torch.randint(0, 300, (50,))
+    try:
+        lp, ent = ppo.token_logprobs(head, h, tgt, with_entropy=True, entropy_grad=True, chunk=8)
+        (lp.sum() + ent.sum()).backward()
+    finally:
+        hook.remove()
+    assert max(seen) == 8 and sum(seen) == 2 * 50   # each chunk projected twice: forward, then recomputed
+    assert h.grad is not None and h.grad.abs().sum() > 0
+
+
+def test_collate_keeps_a_trajectory_with_no_policy_token():
+    """A trajectory whose turns all sampled 0 tokens has an all-zero mask: it is collated, gets no reward
+    and adds nothing to the losses (it used to stop the whole batch)."""
+    b_ids, b_attn, b_mask, b_rew = ppo.collate([[1, 2, 3], [4, 5, 6, 7]], [[0, 0, 0], [0, 1, 1, 0]], [2.0, 3.0],
+                                               0, "cpu")
+    assert b_mask[0].sum() == 0 and b_rew[0].sum() == 0 and b_rew[1, 2] == 3.0
+    adv, ret = ppo.compute_gae(b_rew, torch.randn(2, 4), b_mask)
+    assert adv[0].abs().sum() == 0 and ret[0].abs().sum() == 0
+    loss, _ = ppo.ppo_policy_loss(torch.zeros(2, 4), torch.zeros(2, 4), adv, b_mask, num_traj=2)
+    assert torch.isfinite(loss)
+
+
+def test_drop_turns_zeroes_the_kth_policy_run():
+    mask = [0, 1, 1, 0, 0, 1, 0, 1, 1, 1, 0]
+    assert ppo.drop_turns(mask, [True, False, True]) == [0, 1, 1, 0, 0, 0, 0, 1, 1, 1, 0]
+    assert ppo.drop_turns(mask, [False, True, False]) == [0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0]
+    with pytest.raises(AssertionError):
+        ppo.drop_turns(mask, [True, True])
 
 
 # ---------------------------------------------------------------- RFT filter

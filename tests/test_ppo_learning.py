@@ -200,3 +200,86 @@ def test_one_base_two_adapters_and_reference():
     torch.testing.assert_close(ref0, ref1)   # the reference is the frozen base
     torch.testing.assert_close(v0, v1)       # an actor step leaves the critic alone
     assert not torch.allclose(act1, ref1)    # ... and did move the actor
+
+
+def test_kl_reference_is_the_actor_at_the_snapshot():
+    """snapshot_reference freezes a copy of the actor as "ref": score's reference log-probs then equal the
+    actor's at that moment, stay put while the actor moves, and differ from the adapter-free base (what
+    stage 4 needs: a KL toward the RFT actor, not the model stage 1 started from). The snapshot survives a
+    checkpoint round trip."""
+    import runlog
+    model, head = tiny_actor_critic(3)
+    for p in ppo.adapter_params(model, "actor"):  # an actor that has moved away from the base (like after RFT)
+        torch.nn.init.normal_(p, std=0.3)
+    gen = torch.Generator().manual_seed(3)
+    ids = rollout(model, 8, gen)
+    attn = torch.ones_like(ids)
+    samples = [{"input_ids": ids[i].tolist(), "mask": [0] * PROMPT + [1] * RESP, "reward": float(i % 2)}
+               for i in range(8)]
+    ppo.snapshot_reference(model)
+    cfg = toy_cfg(kl_coef=0.1, ppo_epochs=1, num_minibatches=1)
+    opt = ppo.make_optimizers(model, head, cfg)
+    b, _ = score(model, head, samples, cfg)
+    b_ref, b_logp = b[7], b[3]
+    torch.testing.assert_close(b_ref, b_logp)              # the reference is the actor as it was
+    with torch.no_grad():
+        base = ppo.actor_logprobs(model, ids, attn, adapter=None)[0]
+    assert not torch.allclose(b_ref, base, atol=1e-3)      # ... not the base
+    st = update(model, head, opt, b, cfg, n_global=8)
+    assert st["kl_ref"] == pytest.approx(0.0, abs=1e-6)    # first step: pi = pi_ref
+    b2, _ = score(model, head, samples, cfg)
+    torch.testing.assert_close(b2[7], b_ref)              # the actor moved, the reference did not
+    assert not torch.allclose(b2[3], b_ref)
+    assert all(not p.requires_grad for p in ppo.adapter_params(model, ppo.REF))
+    # the snapshot is part of the checkpoint: a fresh model resumed from it has the same reference
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        runlog.save_checkpoint(d, model, head, opt, 4, 1, train.TrainConfig())
+        model2, head2 = tiny_actor_critic(3)
+        runlog.load_checkpoint(d, model2, head2)
+        with torch.no_grad():
+            ref2 = ppo.actor_logprobs(model2, ids, attn, adapter=ppo.REF)[0]
+    torch.testing.assert_close(ref2, b_ref)
+
+
+def _unequal_shard_worker(rank: int, port: int, out: str):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    rows = [0, 1, 2] if rank == 0 else [3, 4]   # 5 trajectories on 2 ranks: 3 + 2
+    torch.save(_one_update(rows, n_global=5), f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def _one_update(rows, n_global):
+    """One PPO update (actor + critic) on the given rows of a fixed 5-trajectory batch; the new parameters."""
+    model, head = tiny_actor_critic(4)
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(1, VOCAB, (5, PROMPT + RESP), generator=gen)
+    samples = [{"input_ids": ids[i].tolist(), "mask": [0] * PROMPT + [1] * RESP, "reward": float(i) - 2.0}
+               for i in rows]
+    cfg = toy_cfg(ppo_epochs=1, num_minibatches=1)
+    opt = ppo.make_optimizers(model, head, cfg)
+    b, _ = score(model, head, samples, cfg)
+    update(model, head, opt, b, cfg, n_global=n_global)
+    return [p.detach().clone() for p in ppo.adapter_params(model, "actor") + ppo.adapter_params(model, "critic")]
+
+
+def test_update_with_unequal_shards_equals_one_process(tmp_path):
+    """Ranks may hold different numbers of trajectories (1024 on 6 GPUs: 171 x 4 + 170 x 2): the update counts
+    trajectories over all ranks, so 3 + 2 on two processes gives the parameters of 5 on one."""
+    import os
+    import torch.multiprocessing as mp
+    out = str(tmp_path / "p")
+    mp.spawn(_unequal_shard_worker, args=(29900 + os.getpid() % 97, out), nprocs=2, join=True)
+    ref = _one_update([0, 1, 2, 3, 4], n_global=5)
+    for r in (0, 1):
+        got = torch.load(f"{out}.{r}")
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert any(not torch.equal(a, b) for a, b in zip(ref, _params_before()))
+
+
+def _params_before():
+    model, _ = tiny_actor_critic(4)
+    return [p.detach().clone() for p in ppo.adapter_params(model, "actor") + ppo.adapter_params(model, "critic")]

@@ -167,3 +167,53 @@ def test_logger_bar_and_escaped_sample(tmp_path, capsys):
     train.print_sample([traj], Tok(), log)
     out = capsys.readouterr().out
     assert "\x1b" not in out and "\x07" not in out and "\u202e" not in out and "\\x1b" in out
+
+
+def test_batch_shares_add_up_over_ranks(monkeypatch):
+    """1024 episodes on 6 ranks are 171 x 4 + 170 x 2 (not 6 x 170 = 1020), and the demonstrations of a
+    batch are dealt over ranks so that their global count is the batch's share."""
+    import train
+
+    class Run:
+        demos = [object()]
+    shares, demos = [], []
+    for rank in range(6):
+        monkeypatch.setattr(train, "rank_world", lambda r=rank: (r, 6))
+        shares.append(train.local_share(1024))
+        demos.append(train.local_demos(Run, 1024, 0.25))
+    assert shares == [171, 171, 171, 171, 170, 170] and sum(shares) == 1024
+    assert sum(demos) == 256 and all(d <= s for d, s in zip(demos, shares))
+
+
+def _traj(turns, stop="finish", reward=1.0):
+    """A trajectory of assistant turns, each (n sampled tokens, tool calls); 2 observation tokens between turns."""
+    import tasks
+    ids, mask, messages, metas = [9, 9], [0, 0], [], []
+    for n, calls in turns:
+        ids += [5] * n
+        mask += [1] * n
+        ids += [9, 9]
+        mask += [0, 0]
+        messages.append({"role": "assistant", "content": "x", "token_ids": [5] * n})
+        metas.append({"finish_reason": "stop", "errors": [], "calls": [
+            {"name": c, "args_text": "{}", "error": None} for c in calls]})
+    return tasks.Trajectory(task="t", task_source="", messages=messages, tools=None, ids=ids, mask=mask,
+                            turns=metas, final_reward=reward, stop_reason=stop)
+
+
+def test_rft_sample_drops_no_call_turns_and_truncated_trajectories():
+    import dataclasses
+
+    import train
+    cfg = train.TrainConfig()
+    t = _traj([(3, ["write_file"]), (2, []), (0, []), (4, ["verify", "finish"])])   # a chat turn and a 0-token one
+    ids, mask = train.rft_sample(t, cfg)
+    assert ids == t.ids and sum(mask) == 3 + 4 and mask[5:7] == [0, 0]   # the chat turn left the SFT mask
+    assert sum(train.rft_sample(t, dataclasses.replace(cfg, rft_drop_no_call_turns=False))[1]) == 3 + 2 + 4
+    assert train.rft_sample(_traj([(3, [])]), cfg) is None                  # nothing left to imitate
+    single = _traj([(3, [])], stop="single_turn")                            # single-turn answers have no calls
+    assert sum(train.rft_sample(single, cfg)[1]) == 3
+    cut = _traj([(3, ["verify"])], stop="max_turns")
+    assert train.rft_sample(cut, cfg) is not None                            # default: the paper's filter
+    assert train.rft_sample(cut, dataclasses.replace(cfg, rft_drop_truncated=True)) is None
+    assert train.rft_sample(_traj([(3, ["verify"])], reward=-1.0), cfg) is None   # reward > 0 only

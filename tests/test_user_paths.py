@@ -2,7 +2,8 @@
 
 Each test runs `kernelbench_eval.py` or `cuda_agent.py` in a child process (as a shell would) and checks the
 exit code and stderr: bad input is one line and exit 2, found before any work (no Traceback, no run folder);
-check's 0 / 1 / 2; an eval folder refuses another run's resume; device "auto" and the ANSI-free transcript.
+check's 0 / 1 / 2; an eval folder refuses another run's resume; device "auto" as every command's default; solve's
+budgets sized for the machine; the eval's labelled speedup plot; the ANSI-free transcript.
 """
 import json
 import os
@@ -169,3 +170,80 @@ def test_device_auto_and_policy_validation():
 def test_transcript_has_no_ansi_colours_when_not_a_terminal(capsys):
     cuda_agent.print_event(0, "tool", "hello")
     assert capsys.readouterr().out == "[0] tool hello\n"
+
+
+def test_every_command_defaults_to_device_auto():
+    """train (model and sandbox), check, solve, synth and kernelbench_eval all start from auto; the paper preset
+    names its GPU sandbox."""
+    import kernelbench_eval
+    import synth
+    import train
+    tiny = train.PRESETS["tiny"]
+    assert (tiny.device, tiny.sandbox.device, train.TrainConfig().sandbox.device) == ("auto", "auto", "auto")
+    assert train.PRESETS["paper"].sandbox.device == "cuda"
+    assert cuda_agent.SolveConfig("t").sandbox.device == "auto"
+    assert synth.SynthConfig().sandbox.device == "auto"
+    assert kernelbench_eval.EvalConfig().sandbox.device == "auto"
+
+
+@pytest.mark.parametrize("cmd", ["train", "synth"])
+def test_bad_device_is_one_line_before_any_output(tmp_path, capsys, cmd):
+    """train and synth resolve --sandbox.device themselves (auto -> cpu | cuda) before writing anything."""
+    out = tmp_path / ("run" if cmd == "train" else "tasks.jsonl")
+    rc = cuda_agent.main([cmd, "--sandbox.device", "gpu", "--out", str(out)])
+    one_line_error(rc, capsys.readouterr().err, "--sandbox.device")
+    assert not os.path.exists(out) and not os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_solve_budgets_follow_the_machine(monkeypatch, gpu):
+    """solve never starts a CPU-only machine on paper-scale budgets (150 turns, 128k context, 4096 tokens/turn)."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: gpu)
+    c = cuda_agent.SolveConfig("t")
+    if gpu:
+        assert (c.env.max_turns, c.env.max_context_tokens, c.policy.max_new_tokens) == (150, 131072, 4096)
+    else:
+        assert (c.env.max_turns, c.env.max_context_tokens, c.policy.max_new_tokens) == (20, 32768, 1024)
+
+
+def test_speedup_plot_is_labelled_like_training_curves(tmp_path, monkeypatch):
+    """kernelbench_eval's speedup_distribution.png: per-level title with the correct count, axis labels that
+    say what x and y are, a legend for each line (baselines and the 1x mark), a figure title."""
+    import kernelbench_eval as kb
+    figs = []
+    monkeypatch.setattr(kb.plt, "close", lambda fig: figs.append(fig))
+    recs = [{"level": 1, "correct": True, "speedup_eager": 2.0, "speedup_compile": 1.5},
+            {"level": 1, "correct": False, "speedup_eager": None, "speedup_compile": None},
+            {"level": 2, "correct": True, "speedup_eager": 0.8, "speedup_compile": 0.5}]
+    kb.plot_speedups(str(tmp_path / "s.png"), recs)
+    assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
+    (fig,) = figs
+    a1, a2 = fig.axes
+    assert a1.get_title() == "KernelBench level 1: 1/2 problems correct" and "1/1" in a2.get_title()
+    assert "t_baseline / t_candidate" in a1.get_xlabel() and "log" in a1.get_xlabel()
+    assert a1.get_ylabel() == "correct problems per bin"
+    legend = [t.get_text() for t in a1.get_legend().get_texts()]
+    assert legend == ["vs eager (n=1)", "vs torch.compile (n=1)", "1x: as fast as the baseline"], legend
+    assert "correct solution" in fig._suptitle.get_text()
+
+
+def test_tiny_preset_fits_its_demonstrations_and_paper_keeps_the_recipe(tmp_path):
+    """The tiny preset trains on tasks that all have demos, and a demo's first agentic turn fits in one sampled
+    turn of the tiny tokenizer (so the actor can reproduce it); the paper preset is the paper's recipe."""
+    import sandbox
+    import tasks
+    import train
+    tiny, paper = train.PRESETS["tiny"], train.PRESETS["paper"]
+    assert (paper.lam, paper.temperature, paper.lr_rft, paper.kl_coef, paper.ppo_epochs, paper.num_minibatches) == \
+        (0.95, 1.0, None, 0.0, 1, 1)
+    assert tiny.lr_rft > tiny.lr_actor                          # SFT learns the demos, PPO does not undo them
+    ts = tasks.load_tasks(tiny.tasks)
+    demos = tasks.load_demos(tiny.demos, ts, "cpu")
+    assert len(demos) == len(ts) == 4
+    tok = policy.build_tiny_tokenizer()
+    ecfg = env.EnvConfig(work_dir=str(tmp_path))
+    for t, files in demos:
+        ep = env.Episode(0, t, ecfg, None, sandbox.SandboxConfig())
+        turn = {"role": "assistant", **train.demo_script(files, single_turn=False)[0]}
+        _, mask = env.tokenize_conversation(ep.messages + [turn], ep.tools, tok)
+        assert 0 < sum(mask) < tiny.max_new_tokens, (t.name, sum(mask))
