@@ -147,7 +147,7 @@ class TrainConfig:
     mostly the noise of a 4-step critic"""
     kl_coef: float = 0.1
     """KL penalty coefficient, k3 estimator, against the actor as each PPO stage found it (stage 4: the RFT
-    actor) (paper: not stated; 0 = off); tiny: 0.1, with --lr-actor 5e-5 it keeps stage 4 near the RFT actor"""
+    actor) (paper: not stated; 0 = off); tiny: 0.1, with --lr-actor 5e-5, to keep stage 4 near the RFT actor"""
     entropy_coef: float = 0.0
     """entropy bonus (paper: not stated; 0 = off)"""
     vf_clip: float | None = None
