@@ -74,10 +74,11 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
     """1 - Var[returns - values] / Var[returns] over masked positions (paper Fig. 5's critic signal).
 
-    1 = perfect critic, 0 = no better than a constant, < 0 = worse than a constant. NaN if Var[returns] = 0.
+    1 = perfect critic, 0 = no better than a constant, < 0 = worse than a constant. NaN if Var[returns] is 0
+    up to rounding (every return equal: float32 leaves ~1e-14, which would give -1e13).
     """
     var_r = masked_var(returns, mask)
-    if var_r.item() == 0.0:
+    if var_r.item() <= 1e-10 * (masked_mean(returns.pow(2), mask).item() + 1e-10):
         return float("nan")
     return float(1.0 - masked_var(returns - values, mask) / var_r)
 

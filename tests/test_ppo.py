@@ -250,6 +250,8 @@ def test_masked_helpers():
     assert ppo.explained_variance(ret, ret, ones) == 1.0
     assert math.isclose(ppo.explained_variance(torch.full((1, 3), 2.0), ret, ones), 0.0, abs_tol=1e-6)
     assert ppo.explained_variance(-ret, ret, ones) < 0
+    flat = torch.full((1, 3), -1.0) + 1e-8 * torch.tensor([[1.0, -1.0, 0.5]])  # equal up to float32 rounding
+    assert math.isnan(ppo.explained_variance(torch.zeros(1, 3), flat, ones))
 
 
 def test_entropy_from_logits():
