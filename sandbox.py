@@ -91,9 +91,9 @@ from dataclasses import dataclass, field
 
 import sandbox_worker
 import workspace
-from sandbox_build import build_inline, compile_workspace, copy_build, cuda_arch, trim_log  # noqa: F401
-from sandbox_child import (HARNESS_DIR, REPO, Child, ChildResult, SandboxError, bwrap_argv,  # noqa: F401
-                           hidden, hidden_candidate, interruptible, isolation, kill_all, last_line, new_jobdir, require_device, run_child)
+from sandbox_build import build_inline, compile_workspace, copy_build, trim_log  # noqa: F401
+from sandbox_child import (HARNESS_DIR, Child, ChildResult, SandboxError, bwrap_argv,  # noqa: F401
+                           hidden, hidden_candidate, interruptible, isolation, last_line, new_jobdir, require_device, run_child)
 from sandbox_reference import (BASELINE_TIMING, baseline_cache, baseline_entry, baselines, device_name, precision_of,  # noqa: F401
                                prewarm, reference_pool, retime, run_reference)
 from sandbox_rules import compare, sketch_close, static_scan
