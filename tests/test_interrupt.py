@@ -13,8 +13,8 @@ import torch.nn as nn
 class ModelNew(nn.Module):
     def __init__(self):
         super().__init__()
-        import time
-        time.sleep(600)  # a candidate that hangs while the check waits for it
+        while True:  # a candidate that hangs while the check waits for it
+            pass
 """
 
 
@@ -30,6 +30,14 @@ def _children(pid: int) -> list[int]:
     return tree[1:]
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline") as f:
+            return f.read().replace("\0", " ")
+    except OSError:  # the process ended between `ps` and here
+        return ""
+
+
 def test_ctrl_c_kills_sandbox_children_and_exits_130(tmp_path):
     sol = tmp_path / "slow.py"
     sol.write_text(SLOW)
@@ -37,12 +45,17 @@ def test_ctrl_c_kills_sandbox_children_and_exits_130(tmp_path):
                              os.path.join(FIX, "relu_task.py"), str(sol), "--sandbox.device", "cpu"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                             env={**os.environ, "CUDA_AGENT_CACHE": str(tmp_path / "cache")})
-    t_end = time.time() + 240
-    while time.time() < t_end and proc.poll() is None and not any("sandbox_worker" in open(f"/proc/{p}/cmdline").read().replace("\0", " ")
-                                          for p in _children(proc.pid) if os.path.exists(f"/proc/{p}/cmdline")):
+    # Wait until one sandbox child has lived 3 s: reference children come and go, the candidate stays
+    # (it spins in ModelNew's __init__), so a snapshot taken between two children cannot pass for it.
+    seen, kids, t_end = {}, [], time.time() + 400
+    while time.time() < t_end and proc.poll() is None:
+        now = time.time()
+        workers = [p for p in _children(proc.pid) if "sandbox_worker" in _cmdline(p)]
+        seen = {p: seen.get(p, now) for p in workers}
+        if any(now - t >= 3 for t in seen.values()):
+            kids = _children(proc.pid)
+            break
         time.sleep(0.5)
-    time.sleep(3)  # the candidate child is inside ModelNew's __init__ by now
-    kids = _children(proc.pid)
     assert kids, f"no sandbox child was started: {proc.poll()} {proc.stderr.read() if proc.poll() is not None else ''}"
     t0 = time.time()
     proc.send_signal(signal.SIGINT)
