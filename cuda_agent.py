@@ -120,22 +120,6 @@ def check(cfg: CheckConfig) -> int:
 # --------------------------------------------------------------------------------------------------
 
 
-def solve_env() -> env.EnvConfig:
-    """solve's episode budget, sized for this machine: the paper's 150 turns with a GPU; 20 turns and 32k
-    tokens on a CPU-only machine, where every turn of a local model and every check is slow."""
-    if env.resolve_device("auto") == "cuda":
-        return env.EnvConfig()
-    return env.EnvConfig(max_turns=20, max_context_tokens=32768)
-
-
-def solve_policy() -> policy.PolicyConfig:
-    """solve's policy defaults, sized for this machine like solve_env: 4096 tokens per turn with a GPU, 1024
-    on a CPU-only machine (a local hf model samples there at tens of tokens per second)."""
-    if env.resolve_device("auto") == "cuda":
-        return policy.PolicyConfig()
-    return policy.PolicyConfig(max_new_tokens=1024)
-
-
 @dataclass
 class SolveConfig:
     task: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="TASK")]
@@ -146,10 +130,10 @@ class SolveConfig:
     """the one seed: sampling and the sandbox's inputs"""
     quiet: bool = False
     """do not print the live transcript"""
-    policy: policy.PolicyConfig = field(default_factory=solve_policy)
-    """who acts (--policy.max-new-tokens sized for this machine, see solve_policy)"""
-    env: env.EnvConfig = field(default_factory=solve_env)
-    """the episode (its work_dir is OUT/workspaces; budgets sized for this machine, see solve_env)"""
+    policy: policy.PolicyConfig = field(default_factory=policy.sized_policy)
+    """who acts (--policy.max-new-tokens sized for this machine, see policy.sized_policy)"""
+    env: env.EnvConfig = field(default_factory=env.sized_env)
+    """the episode (its work_dir is OUT/workspaces; budgets sized for this machine, see env.sized_env)"""
     sandbox: sandbox.SandboxConfig = field(default_factory=lambda: sandbox.SandboxConfig(device="auto"))
     """where and how candidates run (--sandbox.device auto: cuda kernels with a GPU, C++ without)"""
 

@@ -245,6 +245,15 @@ def resolve_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def sized_env(max_turns_gpu: int = 150) -> EnvConfig:
+    """An episode budget for this machine (the default of solve and kernelbench_eval's agent mode): the
+    paper's turns with a GPU (150 in training and solve, 200 in evaluation); 20 turns and 32k tokens on a
+    CPU-only machine, where every turn of a local model and every check is slow."""
+    if resolve_device("auto") == "cuda":
+        return EnvConfig(max_turns=max_turns_gpu)
+    return EnvConfig(max_turns=20, max_context_tokens=32768)
+
+
 class Episode:
     """One task's workspace, conversation and bookkeeping. step() applies one Action. The sandbox config
     `sb_cfg` sets the kernel backend (sb_cfg.device: cpu -> kernels/*.cpp, cuda -> kernels/*.cu)."""

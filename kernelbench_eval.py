@@ -102,10 +102,11 @@ class EvalConfig:
     """skip problems already in OUT/results.jsonl (--no-resume starts the file afresh)"""
     seed: int = 0
     """the one seed: the sandbox's correctness inputs and the policy's sampling"""
-    policy: policy.PolicyConfig = field(default_factory=policy.PolicyConfig)
-    """agent mode: who acts (--policy.kind replay | hf | openai, --policy.model, --policy.adapter)"""
-    env: env.EnvConfig = field(default_factory=lambda: env.EnvConfig(max_turns=200))
-    """agent mode: the episode (paper: 200 turns in evaluation); its work_dir is OUT/workspaces and its final
+    policy: policy.PolicyConfig = field(default_factory=policy.sized_policy)
+    """agent mode: who acts (--policy.kind replay | hf | openai, --policy.model, --policy.adapter);
+    --policy.max-new-tokens 4096 with a GPU, 1024 without one"""
+    env: env.EnvConfig = field(default_factory=lambda: env.sized_env(max_turns_gpu=200))
+    """agent mode: the episode (paper: 200 turns in evaluation with a GPU; 20 turns, 32k tokens without one); its work_dir is OUT/workspaces and its final
     check follows --sandbox.profile"""
     sandbox: sandbox.SandboxConfig = field(default_factory=lambda: sandbox.SandboxConfig(device="auto",
                                                                                          mem_limit_mb=65536))

@@ -43,7 +43,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedTokeniz
 
 import generate
 import tools
-from env import Action, EpisodeState, end_of_turn, tokenize_conversation
+from env import Action, EpisodeState, end_of_turn, resolve_device, tokenize_conversation
 
 # --------------------------------------------------------------------------------------------------
 # Tool-call parsing
@@ -488,6 +488,12 @@ class PolicyConfig:
     """tokens per assistant turn"""
     temperature: float = 0.7
     """sampling temperature (0: greedy)"""
+
+
+def sized_policy() -> PolicyConfig:
+    """Policy defaults for this machine, like env.sized_env: 4096 tokens per turn with a GPU, 1024 on a
+    CPU-only machine (a local hf model samples there at tens of tokens per second)."""
+    return PolicyConfig() if resolve_device("auto") == "cuda" else PolicyConfig(max_new_tokens=1024)
 
 
 def resolve_policy(cfg: PolicyConfig) -> PolicyConfig:

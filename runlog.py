@@ -11,8 +11,9 @@
   * `Logger`: a tqdm bar per stage (the step's key numbers in its postfix; the full line per step with
     --verbose), one JSON row per step in metrics.jsonl, optional TensorBoard (behind --tensorboard);
     `truncate_metrics` drops rows past a resumed checkpoint.
-  * `summary`: the end-of-run table, one row per stage; `plot_curves`: curves.png, reward and pass rate
-    beside the critic's explained variance, stage boundaries and the demonstrations' share marked.
+  * `summary`: the end-of-run table, one row per stage; `plot_curves`: curves.png, reward and pass rate,
+    stage 2's SFT loss and the critic's explained variance, each over the steps that logged it, stage
+    boundaries and the demonstrations' share marked.
 
 Departures from the paper: none; the paper does not describe its tooling.
 
@@ -225,50 +226,79 @@ def mark_stages(ax, bounds: list[tuple[int, int, str]], demo_share: dict | None 
                     ha="center", va="top", fontsize=7, color="dimgrey")
 
 
-def plot_curves(run_dir: str) -> str:
-    """curves.png. Left: reward mean (Eq. 1 tiers -1..3, fixed y-limits) and pass rate (right axis) per
-    logged step; right: the critic's explained variance (stage 3: held-out). Stage boundaries are marked and
-    the steps whose batches mixed in demonstrations are shaded: the drop when they stop is not the policy."""
-    rows = _rows(run_dir)
-    fig, (ax, ax_ev) = plt.subplots(1, 2, figsize=(12, 4.5))
-    ax_pass = ax.twinx()
-    bounds, share = [], {}
+def _series(rows: list[dict], key) -> tuple[list[tuple[int, float]], list[tuple[int, int, str]], list[int]]:
+    """The rows where `key(row)` is a number, on their own axis (x = 0, 1, ...): (points, stage bounds, the
+    stage of each point). A panel then spends no width on steps that did not log it (stage 2's 80 SFT steps
+    have no rollout; stages 1 and 4 have no SFT loss)."""
+    pts, stages = [], []
+    for r in rows:
+        v = key(r)
+        if isinstance(v, (int, float)) and v == v:
+            pts.append((len(pts), float(v)))
+            stages.append(r["stage"])
+    bounds = []
     for s in STAGES:
-        xs = [i for i, r in enumerate(rows) if r["stage"] == s]
-        if not xs:
-            continue
-        label = f"{s}) {STAGES[s]}"
-        bounds.append((xs[0], xs[-1], label))
-        shares = [rows[i].get("n_demo", 0) / rows[i]["n"] for i in xs if rows[i].get("n")]
-        share[label] = max(shares) if shares else None  # None: no rollouts in this stage
-        rew = [(i, rows[i]["reward_mean"]) for i in xs if isinstance(rows[i].get("reward_mean"), (int, float))]
-        pas = [(i, rows[i]["pass_rate"]) for i in xs if isinstance(rows[i].get("pass_rate"), (int, float))]
-        ev = [(i, rows[i].get("heldout_explained_variance", rows[i].get("explained_variance"))) for i in xs]
-        ev = [(i, v) for i, v in ev if isinstance(v, (int, float)) and v == v]
-        if rew:
-            ax.plot(*zip(*rew), marker="o", color="C0", label="reward mean" if s == 1 or not ax.lines else None)
+        xs = [x for (x, _), st in zip(pts, stages) if st == s]
+        if xs:
+            bounds.append((xs[0], xs[-1], f"{s}) {STAGES[s]}"))
+    return pts, bounds, stages
+
+
+def plot_curves(run_dir: str) -> str:
+    """curves.png, three panels, each over the steps that logged what it shows. Left: reward mean (Eq. 1
+    tiers -1..3, fixed y-limits) and pass rate (right axis) per rollout batch, the batches that mixed in
+    demonstrations shaded (the drop when they stop is not the policy); middle: stage 2's SFT loss on the
+    kept trajectories (log scale); right: the critic's explained variance (stage 3: held-out)."""
+    rows = _rows(run_dir)
+    fig, (ax, ax_sft, ax_ev) = plt.subplots(1, 3, figsize=(16, 4.5), gridspec_kw={"width_ratios": [3, 2, 2]})
+    ax_pass = ax.twinx()
+    rew, bounds, stages = _series(rows, lambda r: r.get("reward_mean"))
+    share = {}
+    for s in STAGES:
+        shares = [r.get("n_demo", 0) / r["n"] for r in rows if r["stage"] == s and r.get("n")]
+        share[f"{s}) {STAGES[s]}"] = max(shares) if shares else None
+    rolled = [r for r in rows if isinstance(r.get("reward_mean"), (int, float)) and r["reward_mean"] == r["reward_mean"]]
+    for s in STAGES:   # one line per stage: a line across a boundary would join unrelated batches
+        on = [i for i, st in enumerate(stages) if st == s]
+        pas = [(i, rolled[i]["pass_rate"]) for i in on if isinstance(rolled[i].get("pass_rate"), (int, float))]
+        if on:
+            ax.plot([rew[i][0] for i in on], [rew[i][1] for i in on], marker="o", color="C0",
+                    label="reward mean" if not ax.lines else None)
         if pas:
-            ax_pass.plot(*zip(*pas), marker="s", ls=":", color="C2",
-                         label="pass rate" if not ax_pass.lines else None)
-        if ev:
-            ax_ev.plot(*zip(*ev), marker="o", color=f"C{s - 1}")
+            ax_pass.plot(*zip(*pas), marker="s", ls=":", color="C2", label="pass rate" if not ax_pass.lines else None)
     ax.set_ylim(-1.2, 3.2)
     ax.set_yticks([-1, 0, 1, 2, 3])
     ax.set_ylabel("reward mean (Eq. 1)")
     ax_pass.set_ylim(-0.05, 1.05)
     ax_pass.set_ylabel("pass rate (correct share)", color="C2")
-    ax_ev.set_ylim(bottom=min(-1.0, ax_ev.get_ylim()[0]), top=1.05)
-    ax_ev.axhline(0, color="grey", lw=0.6)
-    ax_ev.set_ylabel("explained variance (1 = perfect, 0 = mean)")
-    for a, title in ((ax, "reward (-1 fail, 1 correct, 2 > eager, 3 > compile) and pass rate"),
-                     (ax_ev, "critic explained variance (stage 3: held-out)")):
-        mark_stages(a, bounds, share)
-        a.set_xlabel("logged step (all stages)")
-        a.xaxis.get_major_locator().set_params(integer=True)
-        a.set_title(title, pad=16)
+    mark_stages(ax, bounds, share)
+    ax.set_xlabel("rollout batch (stages 1, 2's collection, 4)")
+    ax.set_title("reward (-1 fail, 1 correct, 2 > eager, 3 > compile) and pass rate", pad=16)
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = ax_pass.get_legend_handles_labels()
     ax.legend(h1 + h2, l1 + l2, loc="center left", fontsize=8)
+    sft, sft_bounds, _ = _series(rows, lambda r: r.get("sft_nll"))
+    if sft:
+        ax_sft.plot(*zip(*sft), color="C3")
+        ax_sft.set_yscale("log")
+        mark_stages(ax_sft, sft_bounds)
+    ax_sft.set_xlabel("SFT step")
+    ax_sft.set_ylabel("NLL per action token")
+    ax_sft.set_title("stage 2: imitation loss on the kept trajectories", pad=16)
+    ev, ev_bounds, ev_stages = _series(rows, lambda r: r.get("heldout_explained_variance",
+                                                             r.get("explained_variance")))
+    for s in STAGES:
+        on = [p for p, st in zip(ev, ev_stages) if st == s]
+        if on:
+            ax_ev.plot(*zip(*on), marker="o", color=f"C{s - 1}")
+    ax_ev.set_ylim(bottom=min(-1.0, ax_ev.get_ylim()[0]), top=1.05)
+    ax_ev.axhline(0, color="grey", lw=0.6)
+    ax_ev.set_ylabel("explained variance (1 = perfect, 0 = mean)")
+    mark_stages(ax_ev, ev_bounds)
+    ax_ev.set_xlabel("PPO step (stages 1, 3, 4)")
+    ax_ev.set_title("critic explained variance (stage 3: held-out)", pad=16)
+    for a in (ax, ax_sft, ax_ev):
+        a.xaxis.get_major_locator().set_params(integer=True)
     path = os.path.join(run_dir, "curves.png")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.distributed as dist
+import transformers
 from accelerate import Accelerator
 
 import env
@@ -267,14 +268,24 @@ def local_share(n: int) -> int:
     return n // world + (rank < n % world)
 
 
-def local_demos(run: Run, n: int, fraction: float) -> int:
-    """This rank's share of the demonstrations in a global batch of n episodes. The share is set over the
-    global batch and dealt round-robin, so a 4-episode batch at 25% holds one demonstration on 2 ranks too
-    (rounding per rank would give round(0.5) = 0 on each)."""
+def deal(tasks: list, demos: list, n: int, fraction: float, key: str) -> tuple[list, list]:
+    """This rank's (policy tasks, demonstrations) of a global batch of n episodes, round(n * fraction) of them
+    demonstrations. Each kind is drawn in shuffled passes over all of its items (every task appears
+    floor(n / len) or ceil(n / len) times), so a batch's pass rate does not swing with which tasks it drew,
+    and dealt round-robin over ranks (episode i to rank i % world; the demonstrations first). The draw is
+    seeded by `key` ("seed:stage:step"): the same on every rank, and again after a resume."""
     rank, world = rank_world()
-    if not run.demos:
-        return 0
-    return min(local_share(n), len(range(rank, round(n * fraction), world)))
+    n_demo = round(n * fraction) if demos else 0
+    rng = random.Random(key)
+
+    def passes(items: list, k: int) -> list:
+        out = []
+        while len(out) < k:
+            out += rng.sample(items, len(items))
+        return out[:k]
+    demo_picks, task_picks = passes(demos, n_demo), passes(tasks, n - n_demo)
+    mine = range(rank, n, world)
+    return [task_picks[i - n_demo] for i in mine if i >= n_demo], [demo_picks[i] for i in mine if i < n_demo]
 
 
 def checkpoint(run: Run, stage: int, step: int, force: bool = False) -> None:
@@ -311,7 +322,9 @@ def build_models(cfg: TrainConfig, device: torch.device):
         if rank_world()[0] == 0:
             # saved once, copied into every OUT/adapter/: the adapter then loads onto these exact weights,
             # whatever later versions of torch's initialisation or of build_tiny_model_and_tokenizer do (~4 MB)
+            transformers.utils.logging.disable_progress_bar()   # a 4 MB write needs no "Writing model shards" bar
             base.save_pretrained(os.path.join(cfg.out, "tiny_base"))
+            transformers.utils.logging.enable_progress_bar()
             tok.save_pretrained(os.path.join(cfg.out, "tiny_base"))
     else:
         base, tok = policy.load_policy_model(cfg.model, dtype="bfloat16" if cfg.bf16 else "float32",
@@ -347,26 +360,25 @@ def demo_script(files: dict[str, str], single_turn: bool) -> list[dict]:
             {"content": "", "tool_calls": [call("finish")]}]
 
 
-def rollout(run: Run, n: int, n_demo: int, single_turn: bool, work_dir: str) -> list[tasks_mod.Trajectory]:
-    """n episodes: n - n_demo sampled from the actor, n_demo demonstrations replayed through the same env
-    (flagged source="demo"). The global `random` picks tasks, so a resumed run picks what it would have."""
+def rollout(run: Run, n: int, demo_fraction: float, single_turn: bool, work_dir: str,
+            key: str) -> list[tasks_mod.Trajectory]:
+    """This rank's share of a global batch of n episodes (`deal`): tasks sampled from the actor and
+    demonstrations replayed through the same env (flagged source="demo")."""
     cfg = run.cfg
     ecfg = dataclasses.replace(cfg.env, max_turns=1 if single_turn else cfg.env.max_turns, single_turn=single_turn,
                                work_dir=work_dir, final_check=True)
+    task_picks, demo_picks = deal(run.tasks, run.demos, n, demo_fraction, f"{cfg.seed}:{key}")
     out = []
-    n_pol = n - n_demo
     run.model.eval()  # generation: KV cache on, gradient checkpointing off
-    if n_pol > 0:
+    if task_picks:
         run.model.set_adapter("actor")
         pol = policy.HFPolicy(run.model, run.tok, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                               seed=random.randrange(2 ** 31), engine=cfg.rollout_engine)  # fresh engine per update
-        picks = [run.tasks[random.randrange(len(run.tasks))] for _ in range(n_pol)]
-        out += env.run_episodes(pol, picks, run.pool, ecfg, tokenizer=run.tok)
-    if n_demo > 0:
-        picks = [run.demos[random.randrange(len(run.demos))] for _ in range(n_demo)]
-        scripts = {n_pol + i: demo_script(files, single_turn) for i, (_, files) in enumerate(picks)}
-        demos = env.run_episodes(policy.ReplayPolicy(scripts), [t for t, _ in picks], run.pool, ecfg,
-                                 tokenizer=run.tok, id_offset=n_pol)
+        out += env.run_episodes(pol, task_picks, run.pool, ecfg, tokenizer=run.tok)
+    if demo_picks:
+        scripts = {len(task_picks) + i: demo_script(files, single_turn) for i, (_, files) in enumerate(demo_picks)}
+        demos = env.run_episodes(policy.ReplayPolicy(scripts), [t for t, _ in demo_picks], run.pool, ecfg,
+                                 tokenizer=run.tok, id_offset=len(task_picks))
         out += [dataclasses.replace(t, source="demo") for t in demos]
     shutil.rmtree(work_dir, ignore_errors=True)  # trajectories keep the best workspace snapshot
     return out
@@ -419,9 +431,8 @@ def ppo_iteration(run: Run, stage: int, step: int, trajs: list | None = None, si
     if fresh:
         run.logger.phase("rollout")
         t0 = time.time()
-        n_local = local_share(max(cfg.batch_size, world))
         wd = os.path.join(cfg.out, "workspaces", f"s{stage}_{step}_r{rank}")
-        trajs = rollout(run, n_local, local_demos(run, max(cfg.batch_size, world), demo_fraction), single_turn, wd)
+        trajs = rollout(run, max(cfg.batch_size, world), demo_fraction, single_turn, wd, key=f"{stage}:{step}")
         t_gen = time.time() - t0
         tasks_mod.save_trajectories(os.path.join(cfg.out, "rollouts", f"s{stage}_{step:04d}_r{rank}.jsonl"),
                                     trajs, stage=stage, step=step)
@@ -498,8 +509,8 @@ def rft_stage(run: Run, start: int) -> None:
         run.logger.phase("rollout")
         t0 = time.time()
         n = max(cfg.rft_rollouts, world)
-        trajs = rollout(run, local_share(n), local_demos(run, n, cfg.demo_fraction), cfg.env.max_turns == 1,
-                        os.path.join(cfg.out, "workspaces", f"s2_r{rank}"))
+        trajs = rollout(run, n, cfg.demo_fraction, cfg.env.max_turns == 1,
+                        os.path.join(cfg.out, "workspaces", f"s2_r{rank}"), key="2:0")
         tasks_mod.save_trajectories(_stage2_file(run) + ".tmp", trajs, stage=2, step=0)
         os.replace(_stage2_file(run) + ".tmp", _stage2_file(run))
         kept = [t for t in trajs if rft_sample(t, cfg) is not None]

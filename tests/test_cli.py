@@ -69,3 +69,18 @@ def test_check_prints_the_reward_computed_by_reward_py(tmp_path, capsys):
                "--reward", "speedup"])
     v = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 1 and v["violation"] and v["reward"] == -1.0                 # FAIL: exit 1
+
+
+def test_agent_budgets_follow_the_machine(monkeypatch):
+    """solve and kernelbench_eval's agent mode: the paper's turns and 4096 tokens a turn with a GPU,
+    20 turns, 32k tokens and 1024 tokens a turn without one; a flag still wins."""
+    import torch
+
+    import kernelbench_eval
+    for gpu, want in ((True, (150, 200, 131072, 4096)), (False, (20, 20, 32768, 1024))):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda gpu=gpu: gpu)
+        s = tyro.cli(cuda_agent.SolveConfig, args=["t.py"])
+        k = tyro.cli(kernelbench_eval.EvalConfig, args=[])
+        assert (s.env.max_turns, k.env.max_turns, s.env.max_context_tokens, k.policy.max_new_tokens) == want
+        assert s.policy.max_new_tokens == want[3]
+    assert tyro.cli(kernelbench_eval.EvalConfig, args=["--env.max-turns", "3"]).env.max_turns == 3

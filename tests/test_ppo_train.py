@@ -170,19 +170,29 @@ def test_logger_bar_and_escaped_sample(tmp_path, capsys):
 
 
 def test_batch_shares_add_up_over_ranks(monkeypatch):
-    """1024 episodes on 6 ranks are 171 x 4 + 170 x 2 (not 6 x 170 = 1020), and the demonstrations of a
-    batch are dealt over ranks so that their global count is the batch's share."""
-    import train
+    """1024 episodes on 6 ranks are 171 x 4 + 170 x 2 (not 6 x 170 = 1020), the demonstrations of a
+    batch are dealt over ranks so that their global count is the batch's share, and each kind is drawn in
+    whole passes over its items (every task floor or ceil of n / len times), the same after a resume."""
+    import collections
 
-    class Run:
-        demos = [object()]
-    shares, demos = [], []
+    import train
+    tasks, demos = [f"t{i}" for i in range(10)], [f"d{i}" for i in range(3)]
+    shares, got_tasks, got_demos = [], [], []
     for rank in range(6):
         monkeypatch.setattr(train, "rank_world", lambda r=rank: (r, 6))
         shares.append(train.local_share(1024))
-        demos.append(train.local_demos(Run, 1024, 0.25))
+        t, d = train.deal(tasks, demos, 1024, 0.25, "0:4:7")
+        assert len(t) + len(d) == shares[-1]
+        assert (t, d) == train.deal(tasks, demos, 1024, 0.25, "0:4:7")  # seeded by the key alone
+        got_tasks += t
+        got_demos += d
     assert shares == [171, 171, 171, 171, 170, 170] and sum(shares) == 1024
-    assert sum(demos) == 256 and all(d <= s for d, s in zip(demos, shares))
+    assert len(got_demos) == 256 and set(collections.Counter(got_demos).values()) <= {85, 86}
+    assert len(got_tasks) == 768 and set(collections.Counter(got_tasks).values()) <= {76, 77}
+    monkeypatch.setattr(train, "rank_world", lambda: (0, 1))
+    t, d = train.deal(tasks[:4], demos, 4, 0.0, "0:4:0")
+    assert sorted(t) == tasks[:4] and d == []                          # one episode of each task per step
+    assert train.deal(tasks, [], 8, 0.5, "k")[1] == []                 # no demonstrations: all policy
 
 
 def _traj(turns, stop="finish", reward=1.0):
