@@ -185,10 +185,11 @@ def _fmt(v, spec: str = ".2f") -> str:
 
 
 def summary(run_dir: str) -> str:
-    """The end-of-run table: per stage its steps, mean reward first -> last, pass rate (mean over steps, of
-    policy and demo episodes alike), RFT trajectories kept, explained variance (stage 3: held-out) and seconds."""
+    """The end-of-run table: per stage its steps, mean reward over the first half of its steps -> over the
+    last half, pass rate (mean over steps, of policy and demo episodes alike), RFT trajectories kept,
+    explained variance (stage 3: held-out) and seconds."""
     rows, out, t_prev = _rows(run_dir), [], 0.0
-    out.append(f"{'stage':12s} {'steps':>5s} {'reward first->last':>19s} {'pass':>5s} {'kept':>5s} "
+    out.append(f"{'stage':12s} {'steps':>5s} {'reward 1st->2nd half':>20s} {'pass':>5s} {'kept':>5s} "
                f"{'expl.var':>8s} {'seconds':>8s}")
     for s, name in STAGES.items():
         rs = [r for r in rows if r["stage"] == s]
@@ -198,11 +199,12 @@ def summary(run_dir: str) -> str:
         passes = [r["pass_rate"] for r in rs if "pass_rate" in r]
         kept = next((r["n_kept"] for r in rs if "n_kept" in r), None)
         ev = rs[-1].get("heldout_explained_variance", rs[-1].get("explained_variance"))
-        first_last = f"{_fmt(rew[0], '+.2f')} -> {_fmt(rew[-1], '+.2f')}" if rew else "-"
+        k = max(1, len(rew) // 2)   # half-stage means: one batch's reward mostly reflects its samples
+        first_last = f"{_fmt(sum(rew[:k]) / k, '+.2f')} -> {_fmt(sum(rew[-k:]) / k, '+.2f')}" if rew else "-"
         secs = rs[-1]["time_s"] - min(t_prev, rs[0]["time_s"])
         t_prev = rs[-1]["time_s"]
         pass_mean = sum(passes) / len(passes) if passes else None
-        out.append(f"{f'{s}) {name}':12s} {len(rs):5d} {first_last:>19s} {_fmt(pass_mean):>5s} "
+        out.append(f"{f'{s}) {name}':12s} {len(rs):5d} {first_last:>20s} {_fmt(pass_mean):>5s} "
                    f"{_fmt(kept, '.0f'):>5s} {_fmt(ev):>8s} {secs:8.0f}")
     return "\n".join(out)
 

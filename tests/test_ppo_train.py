@@ -138,9 +138,9 @@ def test_summary_table_and_curves(tmp_path):
     import runlog
     _fake_metrics(str(tmp_path))
     lines = runlog.summary(str(tmp_path)).splitlines()
-    assert len(lines) == 5 and "reward first->last" in lines[0]
+    assert len(lines) == 5 and "reward 1st->2nd half" in lines[0]
     by_stage = {ln.split()[0]: ln for ln in lines[1:]}
-    assert "-1.00 -> +0.50" in by_stage["4)"] and " 0.25 " in by_stage["4)"]   # first->last, mean pass rate
+    assert "-1.00 -> +0.50" in by_stage["4)"] and " 0.25 " in by_stage["4)"]   # half means, mean pass rate
     assert by_stage["2)"].split()[-3] == "1"      # RFT kept
     assert by_stage["3)"].split()[-2] == "0.40"   # stage 3: the held-out explained variance, last step
     assert [ln.split()[-1] for ln in lines[1:]] == ["20", "30", "20", "20"]  # seconds: time_s differences
