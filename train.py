@@ -128,8 +128,8 @@ class TrainConfig:
     critic:actor ratio; tiny: the critic has 4 stage-3 steps to fit)"""
     lr_head: float = 1e-2
     """learning rate of the freshly initialised scalar value head"""
-    batch_size: int = 8
-    """trajectories per PPO step, summed over ranks (paper: 1024); tiny: 8, each of the 4 tasks twice a step"""
+    batch_size: int = 4
+    """trajectories per PPO step, summed over ranks (paper: 1024); tiny: 4, each task once a step"""
     micro_batch_size: int = 2
     """trajectories per forward/backward (gradient accumulation; the loss is invariant to it)"""
     ppo_epochs: int = 1

@@ -37,7 +37,7 @@ def test_flags_types_nesting_and_defaults():
 
 
 def test_preset_then_override():
-    assert parse_train([]).batch_size == 8                              # the first preset is the default
+    assert parse_train([]).batch_size == 4                              # the first preset is the default
     c = parse_train(["--preset", "paper", "--batch-size", "16"])
     assert (c.batch_size, c.lr_actor, c.preset, c.env.max_turns) == (16, 3e-5, "paper", 150)  # flag > preset > default
     assert parse_train(["--preset=paper"]).sandbox.device == "cuda"

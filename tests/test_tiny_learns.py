@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # the tiny preset, shortened where it does not change what is learned: RFT keeps its 80 SFT steps
 SHORT = ["--warmup-steps", "0", "--rft-rollouts", "4", "--demo-fraction", "1.0", "--value-pretrain-steps", "1",
-         "--agent-steps", "2", "--batch-size", "4", "--sandbox.device", "cpu"]
+         "--agent-steps", "2", "--sandbox.device", "cpu"]
 
 
 def stage_rows(out, stage):
