@@ -106,8 +106,8 @@ class EvalConfig:
     """agent mode: who acts (--policy.kind replay | hf | openai, --policy.model, --policy.adapter);
     --policy.max-new-tokens 4096 with a GPU, 1024 without one"""
     env: env.EnvConfig = field(default_factory=lambda: env.sized_env(max_turns_gpu=200))
-    """agent mode: the episode (paper: 200 turns in evaluation with a GPU; 20 turns, 32k tokens without one); its work_dir is OUT/workspaces and its final
-    check follows --sandbox.profile"""
+    """agent mode: the episode (the paper's 200 evaluation turns with a GPU; 20 turns, 32k tokens without
+    one); its work_dir is OUT/workspaces and its final check follows --sandbox.profile"""
     sandbox: sandbox.SandboxConfig = field(default_factory=lambda: sandbox.SandboxConfig(device="auto",
                                                                                          mem_limit_mb=65536))
     """how candidates are judged: --sandbox.device auto | cuda | cpu (cpu for smoke tests only), --sandbox.atol,

@@ -259,7 +259,8 @@ def plot_curves(run_dir: str) -> str:
     for s in STAGES:
         shares = [r.get("n_demo", 0) / r["n"] for r in rows if r["stage"] == s and r.get("n")]
         share[f"{s}) {STAGES[s]}"] = max(shares) if shares else None
-    rolled = [r for r in rows if isinstance(r.get("reward_mean"), (int, float)) and r["reward_mean"] == r["reward_mean"]]
+    rolled = [r for r in rows if isinstance(r.get("reward_mean"), (int, float))
+              and r["reward_mean"] == r["reward_mean"]]   # the rows behind `rew`, in the same order
     for s in STAGES:   # one line per stage: a line across a boundary would join unrelated batches
         on = [i for i, st in enumerate(stages) if st == s]
         pas = [(i, rolled[i]["pass_rate"]) for i in on if isinstance(rolled[i].get("pass_rate"), (int, float))]
