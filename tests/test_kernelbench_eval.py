@@ -14,6 +14,7 @@ import types
 
 import pytest
 
+import env
 import kernelbench_eval as kb
 import sandbox
 from policy import PolicyConfig
@@ -301,7 +302,7 @@ def test_cli_flags():
     c = tyro.cli(kb.EvalConfig, args=["--level", "2", "--problems", "1", "5", "9", "--subset", "representative",
                                       "--no-flag-degenerate", "--gpus", "0", "1", "--samples-dir", "s"])
     assert (c.level, c.problems, c.subset, c.flag_degenerate, c.gpus, c.samples_dir, c.env.max_turns) == \
-           ([2], [1, 5, 9], "representative", False, [0, 1], "s", 200)
+           ([2], [1, 5, 9], "representative", False, [0, 1], "s", env.sized_env(max_turns_gpu=200).max_turns)
 
 
 def test_untimed_and_mixed_precision_metrics():

@@ -80,7 +80,7 @@ def test_kill_mid_stage_then_resume_loses_no_step(tmp_path):
     want = ([(1, i) for i in range(2)] + [(2, i) for i in range(3)] + [(3, i) for i in range(3)] + [(4, 0)])
     assert got == want, f"each finished step logged exactly once, in order: {got}"
     assert _ckpt_position(run_dir) == (5, 0)
-    assert "reward first->last" in out and "\n4) agentic" in out, "the end-of-run table, one row per stage"
+    assert "reward 1st->2nd half" in out and "\n4) agentic" in out, "the end-of-run table, one row per stage"
     # the run directory: plot, rollouts (every rollout, demos flagged), stage-2 trajectories
     assert (run_dir / "curves.png").stat().st_size > 0
     rolls = [json.loads(x) for f in sorted(os.listdir(run_dir / "rollouts")) for x in open(run_dir / "rollouts" / f)]
