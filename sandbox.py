@@ -330,6 +330,10 @@ class _Spares:
     def __init__(self):
         self._lock, self._ready, self._pending = threading.Lock(), {}, {}  # slot (device, gpu) -> [(key, Child)]
         self.last_error: str | None = None  # why the last spare could not be used (diagnostics)
+        # Spares are started from one thread that lives as long as the process: bwrap --die-with-parent
+        # (PR_SET_PDEATHSIG) kills a child when the *thread* that started it exits, so a spare started from
+        # a short-lived thread died (SIGKILL) as soon as that thread returned.
+        self._spawner = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sandbox-spares")
         atexit.register(self.close)
 
     def take(self, key: tuple, n: int, spawn) -> tuple[Child, bool]:
@@ -347,7 +351,7 @@ class _Spares:
         for c in stale:
             self._discard(c)
         for _ in range(missing):
-            threading.Thread(target=self._refill, args=(slot, key, spawn), daemon=True).start()
+            self._spawner.submit(self._refill, slot, key, spawn)
         return child if child is not None else spawn(), child is not None
 
     def _refill(self, slot, key, spawn):

@@ -234,6 +234,34 @@ sys.modules["sandbox_worker"].STASH = 1
 """
 
 
+def test_a_spare_outlives_the_thread_that_asked_for_it(cfg):
+    """bwrap --die-with-parent kills a child when the thread that started it exits: a spare requested from a
+    short-lived thread (a check run by a pool) must still be alive when the next check takes it."""
+    import threading
+    import time
+    spares, key = sandbox._Spares(), ("cpu", None, cfg.mem_limit_mb, (), sandbox.isolation())
+
+    def spawn():  # the starting thread lingers 1 s, so bwrap has armed its parent-death signal when it exits
+        c = sandbox.Child(sandbox.new_jobdir(), device="cpu", mem_limit_mb=cfg.mem_limit_mb)
+        time.sleep(1.0)
+        return c
+    got = []
+    t = threading.Thread(target=lambda: got.append(spares.take(key, 1, spawn)))
+    t.start()
+    t.join()
+    try:
+        t_end = time.time() + 60
+        while not spares._ready.get(key[:2]) and time.time() < t_end:
+            time.sleep(0.1)
+        time.sleep(1.0)   # past the exit of every thread but the one that started the spare
+        child, warm = spares.take(key, 0, spawn)
+        assert warm and child.alive(), (child.proc.poll(), spares.last_error)
+        child.kill()
+    finally:
+        got[0][0].kill()
+        spares.close()
+
+
 def test_warm_spares_serve_one_candidate_each(cfg, tmp_path):
     """Form (b) checks run in pre-started children; nothing a candidate leaves in its process, /tmp, HOME
     or job dir reaches the next candidate, and the second check finds its child already started."""
