@@ -34,7 +34,8 @@ def test_samples_mode_real_sandbox_then_resume(tmp_path, monkeypatch):
     assert kb.main(cfg) == 0
     recs = kb.read_results(str(tmp_path / "out" / "results.jsonl"))
     got = {k: r["correct"] for k, r in recs.items()}
-    assert got == {(1, 1): True, (1, 2): True, (1, 3): False, (2, 1): True, (2, 80): True}
+    assert got == {(1, 1): True, (1, 2): True, (1, 3): False, (2, 1): True, (2, 80): True}, \
+        {k: [(os.path.basename(c["source"]), c["why"]) for c in r["candidates"]] for k, r in recs.items()}
     why = {os.path.basename(c["source"]): c["why"] or "" for r in recs.values() for c in r["candidates"]}
     assert "torch.relu" in why["level_1_problem_1_sample_1_kernel.py"]            # torch fallback: violation
     assert "incorrect" in why["level_1_problem_2_sample_1_kernel.py"]             # wrong math
