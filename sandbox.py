@@ -144,6 +144,9 @@ class SandboxConfig:
     """kernel sources one workspace may hold (more is an error verdict, not a queue of compiles)"""
     compile_budget_s: float = 300
     """wall-clock budget shared by all compiles of one workspace (each is also capped by compile_timeout_s)"""
+    compare_on: str = "auto"
+    """where the host compares trial outputs with the reference: "auto" (the check's GPU when this process
+    can use CUDA: a CUDA context there, ~0.5 GB; a 64 MB output compares in ms, not ~0.1-0.5 s) | "cpu" """
     warm_spares: int = -1
     """pre-started candidate children kept per device (torch imported, CUDA up, checks warmed); each serves
     one candidate and is replaced in the background. 0 = start a child per check; -1 = 4 on cuda, 0 on cpu
@@ -422,11 +425,13 @@ def _run_candidate(form, cand, wdir, jobdir, ref, plan, cfg, gpu, ws) -> tuple[C
             control.write(json.dumps(obj) + "\n")
             control.flush()
 
-    def advance(control):  # the next request; "done" at once after the first failure
+    def advance(control, **extra):  # the next request; "done" at once after the first failure
         req = plan[seen["i"]] if seen["bad"] is None and seen["i"] < len(plan) else {"op": "done"}
         seen["i"] += 1
         seen["req"] = req
-        send(control, req)
+        send(control, {**extra, "next": req} if extra else req)
+
+    on_gpu = compare_device(cfg, gpu)
 
     def on_msg(msg, control):
         t, req = msg.get("type"), seen.get("req") or {}
@@ -434,24 +439,28 @@ def _run_candidate(form, cand, wdir, jobdir, ref, plan, cfg, gpu, ws) -> tuple[C
             if t == "stage" and msg.get("stage") == "verify":
                 advance(control)
             elif t == "trial" and req.get("op") == "trial":
-                res = _compare_kind(ref, req["seed"], msg, cfg)
-                seen["trials"].append({"trial": len(seen["trials"]), **res})
+                waited = time.monotonic() - seen["sent_at"]  # the child's trial: inputs, forward, copy, pipe
+                advance(control)  # the child runs the next trial while this one is compared
+                t0 = time.monotonic()
+                res = _compare_kind(ref, req["seed"], msg, cfg, on_gpu)
+                seen["trials"].append({"trial": len(seen["trials"]), **res, "child_s": round(waited, 4),
+                                       "compare_s": round(time.monotonic() - t0, 4)})
                 seen["bad"] = seen["bad"] or (None if res["ok"] else f"trial {len(seen['trials']) - 1}")
-                advance(control)
             elif t == "ops" and req.get("op") == "ops":
                 seen["ops"] = list(msg.get("ops", []))
                 advance(control)
             elif t == "iter" and req.get("op") == "time":
                 seen["calls"].append({"ms": float(msg["ms"]), "span_ms": float(msg["span_ms"]),
                                       "host_ms": (time.monotonic() - seen["sent_at"]) * 1e3, "kind": msg.get("kind")})
-                send(control, {"keys": ref["keys"][req["seed"]]})  # only now, after the call returned
-            elif t == "sketch" and req.get("op") == "time":
+                seen["sketch_seed"] = req["seed"]
+                advance(control, keys=ref["keys"][req["seed"]])  # the keys only now, after the call returned
+            elif t == "sketch" and "sketch_seed" in seen:
+                seen["sent_at"] = time.monotonic()  # the next call's span starts once the child has sketched
                 call = seen["calls"][-1]
-                call["ok"], call["reason"] = sketch_close(msg["sketch"], ref["sketches"][req["seed"]], cfg)
+                call["ok"], call["reason"] = sketch_close(msg["sketch"], ref["sketches"][seen.pop("sketch_seed")], cfg)
                 if call["kind"] != ref["out_kind"]:
                     call["ok"], call["reason"] = False, f"returned a {call['kind']}, expected a {ref['out_kind']}"
                 seen["bad"] = seen["bad"] or (None if call["ok"] else f"timed call {len(seen['calls']) - 1}")
-                advance(control)
             elif t != "stage" and t != "result":
                 seen["bad"] = seen["bad"] or f"unexpected message {t!r} for request {req.get('op')!r}"
                 send(control, {"op": "done"})
@@ -469,10 +478,20 @@ def _run_candidate(form, cand, wdir, jobdir, ref, plan, cfg, gpu, ws) -> tuple[C
         shutil.rmtree(child.jobdir, ignore_errors=True)
 
 
-def _compare_kind(ref: dict, seed: int, msg: dict, cfg: SandboxConfig) -> dict:
+def _compare_kind(ref: dict, seed: int, msg: dict, cfg: SandboxConfig, work_device: str = "cpu") -> dict:
     if msg.get("kind") != ref["out_kind"]:
         return {"ok": False, "reason": f"returned a {msg.get('kind')}, the reference returns a {ref['out_kind']}"}
-    return compare(ref["outputs"][seed], msg["outs"], msg.get("devices"), cfg.device, cfg.atol, cfg.rtol)
+    return compare(ref["outputs"][seed], msg["outs"], msg.get("devices"), cfg.device, cfg.atol, cfg.rtol,
+                   work_device)
+
+
+def compare_device(cfg: SandboxConfig, gpu: int | None) -> str:
+    """Where the host compares a trial's outputs: the check's GPU when this process can use CUDA (both
+    outputs are copied there a chunk at a time), else host memory. The comparison's arithmetic is the same."""
+    if cfg.device != "cuda" or cfg.compare_on == "cpu":
+        return "cpu"
+    import torch
+    return f"cuda:{gpu or 0}" if torch.cuda.is_available() else "cpu"
 
 
 def _judge(r: ChildResult, seen: dict, ref: dict, cfg, v: Verdict, form: str):

@@ -202,8 +202,10 @@ def static_scan(source: str, allow_imports: tuple[str, ...] = ()) -> str | None:
 
 
 # ----------------------------------------------------------------------------- comparison (host side)
-def compare(ref: list, cand: list, devices: list | None, device: str, atol: float, rtol: float) -> dict:
-    """One trial: {"ok", "max_abs_err", "max_rel_err", "rel_l2", "first_bad_index", "reason"}."""
+def compare(ref: list, cand: list, devices: list | None, device: str, atol: float, rtol: float,
+            work_device: str = "cpu") -> dict:
+    """One trial: {"ok", "max_abs_err", "max_rel_err", "rel_l2", "first_bad_index", "reason"}; the
+    elementwise work runs on `work_device` (host tensors are copied there a chunk at a time)."""
     import torch
     res = {"ok": False, "max_abs_err": None, "max_rel_err": None, "rel_l2": None, "first_bad_index": None,
            "reason": None}
@@ -219,7 +221,7 @@ def compare(ref: list, cand: list, devices: list | None, device: str, atol: floa
             return {**res, "reason": f"{where}shape {tuple(c.shape)}, expected {tuple(r.shape)}"}
         if c.dtype != r.dtype:
             return {**res, "reason": f"{where}dtype {c.dtype}, expected {r.dtype}"}
-        st = _compare_chunks(r.reshape(-1), c.reshape(-1), atol, rtol)
+        st = _compare_chunks(r.reshape(-1), c.reshape(-1), atol, rtol, work_device)
         rel_l2 = st["sq_diff"] ** 0.5 / st["sq_ref"] ** 0.5 if st["sq_ref"] > 1e-24 else 0.0
         mae = st["max_abs"]
         res = {**res, "max_abs_err": max(mae, res["max_abs_err"] or 0.0),
@@ -239,7 +241,7 @@ def compare(ref: list, cand: list, devices: list | None, device: str, atol: floa
 COMPARE_CHUNK = 1 << 22  # elements per step: host memory stays ~100 MB above the two outputs, whatever their size
 
 
-def _compare_chunks(r, c, atol: float, rtol: float) -> dict:
+def _compare_chunks(r, c, atol: float, rtol: float, dev: str = "cpu") -> dict:
     """Statistics of flat `c` against flat `r`, a chunk at a time: the first index where the reference is
     finite and `c` is not, the first index that is not isclose(equal_nan), max abs and relative error, and
     sums of squares of the error and of the reference (finite reference positions only). Elementwise work is
@@ -249,7 +251,7 @@ def _compare_chunks(r, c, atol: float, rtol: float) -> dict:
     st = {"nonfinite_at": None, "far_at": None, "max_abs": 0.0, "max_rel": 0.0, "sq_diff": 0.0, "sq_ref": 0.0}
     work = torch.float64 if r.dtype == torch.float64 else torch.float32
     for i in range(0, r.numel(), COMPARE_CHUNK):
-        rc, cc = r[i:i + COMPARE_CHUNK].to(work), c[i:i + COMPARE_CHUNK].to(work)
+        rc, cc = r[i:i + COMPARE_CHUNK].to(dev, work), c[i:i + COMPARE_CHUNK].to(dev, work)
         fin_r = torch.isfinite(rc)
         all_fin = bool(fin_r.all())
         if all_fin:  # the usual case: four passes

@@ -589,7 +589,9 @@ def _serve(model, task, guard_cls, job, ch, clocks, snapshot) -> dict:
 
     Each request carries the one seed it needs; the worker sends exactly one reply per request (a `time`
     request two: the time, then the sketch once the host has sent the keys) and the host sends the next
-    request only after that reply, so no future seed is ever in this process."""
+    request only after that reply, so no future seed is ever in this process. After a timed call the
+    keys and the next request come in one line (one pipe round trip per timed call, not two): the next
+    seed arrives only once the call it follows has returned."""
     import torch
     device, threads0, last_xs = job["device"], None, None
     req = ch.recv_control()
@@ -640,11 +642,11 @@ def _serve(model, task, guard_cls, job, ch, clocks, snapshot) -> dict:
             last_xs = xs
         else:
             ch.send({"type": "iter", "ms": ms, "kind": kind, "span_ms": (clocks[0]() - t_req) * 1e3})
-            keys = ch.recv_control()["keys"]  # drawn by the host after this call returned
-            ch.send({"type": "sketch", "sketch": sketch(ys, keys)})
+            reply = ch.recv_control()  # keys drawn by the host after this call returned, and the next request
+            ch.send({"type": "sketch", "sketch": sketch(ys, reply["keys"])})
         del out, ys
         _restore(snapshot)  # ... and patches made by its forward
-        req = ch.recv_control()
+        req = reply["next"] if req["op"] == "time" else ch.recv_control()
     grown = _new_threads(threads0) if threads0 is not None else set()
     if grown:
         return {"violation": f"forward left {len(grown)} new native thread(s) running"}

@@ -8,7 +8,9 @@ Variants, each the median of --iters calls in this process (the same compiled ke
   + guard              and the dispatch guard around the call;
   fresh + scrub + guard        fresh inputs every call;
   checked              what the sandbox does: fresh inputs, scrub, guard, then a sketch of the output;
-  checked, in place    the same with fresh values copied into one input buffer.
+  checked, in place    the same with fresh values copied into one input buffer;
+  checked, 3 ms gaps   `checked` with the GPU idle 3 ms between calls (a check's pipe round trips leave gaps);
+  ..., float4 kernel   the same kernel with 16-byte loads (bench_sandbox --kernel relu_vec).
 
 GPU: python scripts/bench_guard.py --device cuda
 CPU: python scripts/bench_guard.py --device cpu --numel 1048576
@@ -27,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 import sandbox_worker as w  # noqa: E402
-from bench_sandbox import CPP, CU  # noqa: E402  (the same ReLU kernel)
+from bench_sandbox import CPP, CU, VEC_CU  # noqa: E402  (the same ReLU kernels)
 
 class Relu(torch.nn.Module):
     def __init__(self, lib):
@@ -40,11 +42,11 @@ class Relu(torch.nn.Module):
         return y
 
 
-def build(device: str) -> ctypes.CDLL:
+def build(device: str, cu: str = CU) -> ctypes.CDLL:
     d = tempfile.mkdtemp()
     src, so = os.path.join(d, "k.cu" if device == "cuda" else "k.cpp"), os.path.join(d, "k.so")
     with open(src, "w") as f:
-        f.write(CU if device == "cuda" else CPP)
+        f.write(cu if device == "cuda" else CPP)
     cmd = ["nvcc", "-O3", "-shared", "-Xcompiler", "-fPIC", "-arch=sm_90", "-o", so, src] if device == "cuda" else \
         ["g++", "-O3", "-shared", "-fPIC", "-fopenmp", "-o", so, src]
     subprocess.run(cmd, check=True)
@@ -69,7 +71,7 @@ def main():
     buf = torch.empty(a.numel, device=a.device)
     eager = torch.nn.ReLU()
 
-    def run(fn, fresh: str, scrub: bool, guarded: bool, sketched: bool) -> float:
+    def run(fn, fresh: str, scrub: bool, guarded: bool, sketched: bool, gap_s: float = 0.0) -> float:
         times = []
         for i in range(a.iters + 10):
             if fresh == "alloc":
@@ -92,6 +94,9 @@ def main():
                 ms = (time.perf_counter() - t0) * 1e3
             if sketched:
                 w.sketch([out], [1, 2, 3])
+            if gap_s:
+                clocks[1]()
+                time.sleep(gap_s)
             times.append(ms)
         return statistics.median(times[10:])
     timer = w.Timer(task, a.device, 0)
@@ -102,11 +107,19 @@ def main():
            "+ guard": run(model, "", True, True, False),
            "fresh + scrub + guard": run(model, "alloc", True, True, False),
            "checked": run(model, "alloc", True, True, True),
-           "checked, in place": run(model, "copy", True, True, True)}
+           "checked, in place": run(model, "copy", True, True, True),
+           "checked, 3 ms gaps": run(model, "alloc", True, True, True, 0.003),
+           "eager (checked), 3 ms gaps": run(eager, "alloc", True, False, True, 0.003)}
+    if a.device == "cuda":
+        vec = Relu(build(a.device, VEC_CU))
+        res["plain, float4 kernel"] = run(vec, "", False, False, False)
+        res["checked, float4 kernel"] = run(vec, "alloc", True, True, True)
     if a.device == "cuda":  # the kernels' own GPU time (events on the stream), without any host overhead
         for name, fn in (("kernel alone (events)", lambda: model.lib.relu_forward(w.ptr(x), w.ptr(y), x.numel(),
                                                                                   w.stream())),
-                         ("eager relu alone (events)", lambda: torch.relu(x, out=y))):
+                         ("float4 kernel alone (events)", lambda: vec.lib.relu_forward(w.ptr(x), w.ptr(y), x.numel(),
+                                                                                        w.stream())),
+                         ("eager relu alone (events)", lambda: torch.clamp_min(x, 0.0, out=y))):
             y, ev = torch.empty_like(x), []
             for _ in range(a.iters):
                 e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -63,6 +63,26 @@ extern "C" void relu_forward(const float* x, float* y, long n, void* s) {
     relu_k<<<(n + 255) / 256, 256, 0, (cudaStream_t)s>>>(x, y, n);
 }
 """
+VEC_CU = r"""
+__global__ void relu_k(const float4* x, float4* y, long n4) {  // four floats per thread, 16-byte loads
+    long i = blockIdx.x * (long)blockDim.x + threadIdx.x;
+    if (i < n4) {
+        float4 v = x[i];
+        v.x = v.x > 0.f ? v.x : 0.f; v.y = v.y > 0.f ? v.y : 0.f;
+        v.z = v.z > 0.f ? v.z : 0.f; v.w = v.w > 0.f ? v.w : 0.f;
+        y[i] = v;
+    }
+}
+__global__ void tail_k(const float* x, float* y, long a, long n) {
+    long i = a + threadIdx.x;
+    if (i < n) y[i] = x[i] > 0.f ? x[i] : 0.f;
+}
+extern "C" void relu_forward(const float* x, float* y, long n, void* s) {
+    long n4 = n / 4;
+    if (n4) relu_k<<<(n4 + 255) / 256, 256, 0, (cudaStream_t)s>>>((const float4*)x, (float4*)y, n4);
+    if (n % 4) tail_k<<<1, 4, 0, (cudaStream_t)s>>>(x, y, 4 * n4, n);
+}
+"""
 CPP = r"""
 extern "C" void relu_forward(const float* x, float* y, long n, void* s) {
 #pragma omp parallel for
@@ -97,13 +117,14 @@ CPP_BIND = ('#include <torch/extension.h>\nvoid relu_forward(torch::Tensor x, to
             '#pragma omp parallel for\n    for (long i = 0; i < n; ++i) b[i] = a[i] > 0.f ? a[i] : 0.f;\n}\n')
 
 
-def make_ws(root: str, device: str, heavy: bool = False) -> str:
+def make_ws(root: str, device: str, kernel: str = "relu") -> str:
     ws = os.path.join(root, "ws")
     os.makedirs(os.path.join(ws, "kernels"))
     ext = ".cu" if device == "cuda" else ".cpp"
     for name in ("relu", "other"):  # two kernels: an edit to one must rebuild only that one
         with open(os.path.join(ws, "kernels", name + ext), "w") as f:
-            f.write((HEAVY_CU if heavy else CU if device == "cuda" else CPP).replace("relu_forward", f"{name}_forward"))
+            src = CPP if device == "cpu" else {"heavy": HEAVY_CU, "relu_vec": VEC_CU}.get(kernel, CU)
+            f.write(src.replace("relu_forward", f"{name}_forward"))
     with open(os.path.join(ws, "model_new.py"), "w") as f:
         f.write(MODEL_NEW)
     return ws
@@ -152,18 +173,21 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=100, help="timed iterations per check")
     p.add_argument("--skip-load-inline", action="store_true", help="skip the (slow) load_inline build")
     p.add_argument("--warm-spares", type=int, default=-1, help="SandboxConfig.warm_spares (0: a cold child per check, -1: auto)")
-    p.add_argument("--kernel", default="relu", choices=["relu", "heavy"],
-                   help="relu: memory-bound, launch-dominated; heavy: 128 sines per element (cuda only), >= 1 ms")
+    p.add_argument("--kernel", default="relu", choices=["relu", "relu_vec", "heavy"],
+                   help="relu: memory-bound, launch-dominated, one float per thread; relu_vec: float4 loads "
+                        "(cuda only); heavy: 128 sines per element (cuda only), >= 1 ms")
+    p.add_argument("--compare-on", default="auto", choices=["auto", "cpu"], help="SandboxConfig.compare_on")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_sandbox.json"))
     args = p.parse_args()
     rows, cols = (4096, 4096) if args.device == "cuda" else (512, 1024)
     res = {"device": args.device, "isolation": sandbox.isolation(), "shape": [rows, cols], "kernel": args.kernel,
            "warm_spares": args.warm_spares}
-    assert args.kernel == "relu" or args.device == "cuda", "--kernel heavy needs --device cuda"
+    assert args.kernel == "relu" or args.device == "cuda", f"--kernel {args.kernel} needs --device cuda"
+    res["compare_on"] = args.compare_on
     with tempfile.TemporaryDirectory() as root:
         cfg = sandbox.SandboxConfig(device=args.device, cache_dir=os.path.join(root, "cache"), iters=args.iters,
-                                    warmup=10, warm_spares=args.warm_spares)
-        ws = make_ws(root, args.device, args.kernel == "heavy")
+                                    warmup=10, warm_spares=args.warm_spares, compare_on=args.compare_on)
+        ws = make_ws(root, args.device, args.kernel)
         # (1) rebuild after a one-kernel edit vs load_inline
         rb = bench_rebuild(ws, cfg, args.edits)
         res["rebuild_s"] = {"median": statistics.median(rb), "all": rb}
@@ -174,6 +198,7 @@ def main() -> int:
         t = time.perf_counter()
         first = sandbox.check(task, ws, cfg)
         res["first_check_s"] = time.perf_counter() - t
+        res["first_check_split_s"] = {k: first.timings.get(k) for k in ("reference_s", "candidate_s")}
         print(f"load_inline: {res['load_inline_s']} s; first check: {res['first_check_s']:.1f} s", flush=True)
         assert first.correct, first.to_dict()
         verdicts, t = [], time.perf_counter()
@@ -185,6 +210,10 @@ def main() -> int:
         res["reference_s_median"] = statistics.median(v.timings.get("reference_s", 0) for v in verdicts)
         res["candidate_s_median"] = statistics.median(v.timings.get("candidate_s", 0) for v in verdicts)
         res["candidate_phases"] = [v.timings.get("candidate_phases") for v in verdicts]
+        # the trials of a check: the child's part (inputs, forward, copy to host, pipe) and the host's compare
+        res["trials_child_s_median"] = statistics.median(sum(t.get("child_s", 0) for t in v.trials) for v in verdicts)
+        res["trials_compare_s_median"] = statistics.median(sum(t.get("compare_s", 0) for t in v.trials)
+                                                           for v in verdicts)
         print(f"checks/min {res['checks_per_min']:.1f}; per check: reference {res['reference_s_median']:.2f} s, "
               f"candidate child {res['candidate_s_median']:.2f} s; its phases (s from start): "
               f"{res['candidate_phases'][-1]}", flush=True)
@@ -203,9 +232,13 @@ def main() -> int:
     print(f"| rebuild after one-kernel edit (median of {args.edits}) | {res['rebuild_s']['median']:.2f} s |")
     print(f"| load_inline build of the same kernel | {'skipped' if li is None else f'{li:.1f} s'} |")
     print(f"| checks per minute (one device, cached baselines, {rows}x{cols} relu) | {res['checks_per_min']:.1f} |")
-    print(f"| first check (computes baselines) | {res['first_check_s']:.1f} s |")
+    split = res["first_check_split_s"]
+    print(f"| first check (computes baselines) | {res['first_check_s']:.1f} s (reference child {split['reference_s']} s, "
+          f"candidate child {split['candidate_s']} s) |")
     print(f"| per check, median: reference child / candidate child | {res['reference_s_median']:.2f} s / "
           f"{res['candidate_s_median']:.2f} s |")
+    print(f"| a check's {len(verdicts[0].trials)} trials, median: waiting for the child / comparing "
+          f"(on {args.compare_on}) | {res['trials_child_s_median']:.2f} s / {res['trials_compare_s_median']:.2f} s |")
     print(f"| candidate ms median over checks | {statistics.median(cands):.4f} |")
     print(f"| CV of candidate_ms across {len(cands)} checks | {res['cv_across_checks']:.3f} |")
     print(f"| CV within a check ({args.iters} iters, median) | {res['cv_within_check_median']:.3f} |")
