@@ -10,6 +10,8 @@ and a batch waits for its longest row. `Engine` removes both costs:
     leave, waiting requests join mid-turn.
   * Each episode has its own CPU torch.Generator and one uniform draw per token, so samples do not depend on
     the batch; returned log-probs are log_softmax(logits) at temperature 1, unfiltered.
+  * `kv_budget_gib` bounds the KV memory on the device: fewer arena rows, idle caches offloaded to pinned host
+    memory (or dropped and re-prefilled), least recently used first.
 The cache layout and why transformers' own continuous batching does not fit are explained above `Engine`.
 
 Departures from the paper
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import time
 import zlib
 from dataclasses import dataclass, field
 from typing import Hashable, Protocol
@@ -147,11 +150,55 @@ class _RaggedLayer(StaticLayer):
         return self.keys, self.values
 
 
+KV_HOST_BLOCK = 64 * 2 ** 20   # bytes per host block of offloaded caches (a power of two: see above `Engine`)
+
+
+class _HostPool:
+    """Fixed-size host blocks (pinned when the engine runs on CUDA), kept on a free list and reused."""
+
+    def __init__(self, block: int, pin: bool):
+        self.block, self.pin = block, pin
+        self.free: list[torch.Tensor] = []         # (block,) uint8 each
+        self.allocated = 0                          # blocks ever allocated (held by caches or free)
+        self.alloc_s = 0.0                          # seconds spent allocating (pinning) them
+
+    def take(self, nbytes: int) -> list[torch.Tensor]:
+        """ceil(nbytes / block) blocks, from the free list first."""
+        n = -(-nbytes // self.block)
+        t = time.perf_counter()
+        while len(self.free) < n:
+            self.free.append(torch.empty(self.block, dtype=torch.uint8, pin_memory=self.pin))
+            self.allocated += 1
+        self.alloc_s += time.perf_counter() - t
+        return [self.free.pop() for _ in range(n)]
+
+    def give(self, blocks: list[torch.Tensor]) -> None:
+        self.free.extend(blocks)
+
+    def pieces(self, blocks: list[torch.Tensor], start: int, length: int):
+        """Bytes [start, start + length) of the blocks laid end to end, as (block slice, offset in the range, size);
+        a range straddles as many block boundaries as it crosses."""
+        done = 0
+        while done < length:
+            b, off = divmod(start + done, self.block)
+            k = min(self.block - off, length - done)
+            yield blocks[b][off:off + k], done, k
+            done += k
+
+
+@dataclass
+class _HostKV:
+    """An offloaded cache: its bytes in (layers, 2, Hkv, n, D) order, laid end to end over pool blocks."""
+    blocks: list[torch.Tensor]
+    shape: torch.Size                  # (layers, 2, Hkv, n, D)
+    dtype: torch.dtype
+
+
 @dataclass
 class _Episode:
     ids: list[int]                     # every token of the conversation so far (cached + the pending one)
     n_cached: int                      # ids[:n_cached] have keys/values in kv
-    kv: torch.Tensor | None            # (layers, 2, Hkv, n_cached, D) or None
+    kv: torch.Tensor | _HostKV | None  # (layers, 2, Hkv, n_cached, D) on the device, offloaded to host, or None
     gen: torch.Generator
 
 
@@ -191,6 +238,31 @@ class _Row:
 # Episode caches live between turns as compact tensors `(layers, 2, kv_heads, n, head_dim)` and are copied
 # into the arena at the start of a `step` and out when the row finishes (a memcpy of the cache per turn,
 # small next to a turn's decode steps).
+# KV budget (`kv_budget_gib`): at the Qwen3-30B-A3B shape a token's keys and values take 96 KiB in bf16
+# (48 layers x 2 x 4 kv heads x 128 x 2 bytes), so 64 episodes of 16k tokens hold 96 GiB, more than an H200
+# has beside 61 GB of weights. With a budget, the arena plus the idle caches on the device stay within it:
+# * the arena gets as many rows as fit (B * C * 96 KiB <= budget); the other requests wait in the queue and
+#   join as rows finish;
+# * before the arena is allocated, and whenever a finished row's cache is copied out, idle caches are evicted
+#   least recently used first (for a finished row, only caches of episodes outside the running `step`: the
+#   others are needed again sooner); a finished cache that still does not fit goes straight out itself;
+# * evicted = copied to host memory and back into the arena when the episode is admitted (`kv_evict=
+#   "offload"`: a PCIe copy each way, host memory for what does not fit), or dropped and the episode's tokens
+#   re-prefilled when its turn comes (`"drop"`: prefill compute instead of copies and host memory).
+# Host memory for offloaded caches is a pool of fixed-size pinned blocks (`_HostPool`, 64 MiB by default). Copies
+# from pageable memory go through a driver bounce buffer (~1.3-1.9 GB/s on an H200 host); pinned ones run at
+# PCIe speed (~50 GB/s there). Pinning each cache as its own tensor would waste memory: PyTorch's pinned
+# allocator rounds a request up to a power of two and caches the block, so 63 caches of 1.5 GiB would pin
+# 126 GiB of a 128 GiB host. Power-of-two blocks are taken exactly, return to a free list when their cache is reloaded or its
+# episode released, and are reused; a cache wastes less than one block (64 MiB next to 1.5 GiB at 16k tokens).
+# A cache (layers, 2, Hkv, n, D) is copied one layer at a time (2, Hkv, n, D), ~32 MiB at 16k tokens for the A3B
+# shape, so the contiguous copy of an arena row (or the staging on the way back) stays small on the device.
+# The pool only grows (to the most ever offloaded at once) and pinning is slow, ~1.3-2.6 GiB/s with
+# cudaHostAlloc on an H200 host: a one-time cost per engine, in kv_host_alloc_s; PYTORCH_CUDA_ALLOC_CONF=
+# pinned_use_cuda_host_register:True,pinned_num_register_threads:8 pins ~3x faster.
+# The cost is in `stats`: kv_offloaded/reloaded/dropped_tokens, kv_offload_s (copy seconds, including pinning
+# new blocks), kv_peak_resident_gib (arena + resident caches, from tensor sizes), kv_host_gib (pinned host
+# memory held by the pool) and kv_host_alloc_s (seconds spent allocating it).
 
 
 class Engine:
@@ -201,7 +273,8 @@ class Engine:
                  stop_ids: set[int] | None = None, max_context: int | None = None,
                  compact_min: int | None = None, admit_min: int | None = None,
                  prefill_tokens: int = 16384, experts: str | None = None, cuda_graphs: bool = False,
-                 static_batch: bool = False):
+                 static_batch: bool = False, kv_budget_gib: float | None = None, kv_evict: str = "offload",
+                 kv_host_block: int = KV_HOST_BLOCK):
         self.model = model
         self.decoder, self.head = model.get_decoder(), model.get_output_embeddings()
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -229,18 +302,32 @@ class Engine:
         self.static_batch = static_batch or self.cuda_graphs   # decode all arena rows every step (graphs need it)
         self.graph_error: str | None = None       # why CUDA-graph decode was switched off, if it was
         self._graph = None
+        self.arena: torch.Tensor | None = None      # (layers, 2, B, Hkv, C, D) while a `step` runs
         self._cache_kw = cache_kwarg(self.decoder)
         self.episodes: dict[Hashable, _Episode] = {}
         self.fed: dict[Hashable, int] = {}        # tokens of each episode that entered the model (real, no pads)
+        assert kv_evict in ("offload", "drop"), f"kv_evict={kv_evict!r}: offload | drop"
+        self.kv_budget = None if kv_budget_gib is None else int(kv_budget_gib * 2 ** 30)   # bytes
+        self.kv_evict = kv_evict
+        self.kv_token_bytes = self.n_layers * 2 * self.n_kv * self.head_dim * p.element_size()
+        self._resident: dict[Hashable, None] = {}   # episodes whose idle cache is on the device, LRU first
+        self._in_run: set[Hashable] = set()         # episodes of the running `step` (not evicted for its rows)
+        # offloaded caches live here; kv_host_block = bytes per block (a power of two when pinned)
+        self._pool = _HostPool(kv_host_block, pin=self.device.type == "cuda")
         self.stats = dict(prefill_tokens=0, prefill_positions=0, decode_tokens=0, decode_positions=0,
-                          forwards=0, admissions=0, compactions=0, rewinds=0)
+                          forwards=0, admissions=0, compactions=0, rewinds=0, kv_offloaded_tokens=0,
+                          kv_reloaded_tokens=0, kv_dropped_tokens=0, kv_offload_s=0.0, kv_peak_resident_gib=0.0,
+                          kv_host_gib=0.0, kv_host_alloc_s=0.0, arena_rows_max=0)
 
     # ---- public API --------------------------------------------------------------------------------
 
     def release(self, episode_id: Hashable) -> None:
-        """Forget an episode and free its cache."""
-        self.episodes.pop(episode_id, None)
+        """Forget an episode and free its cache (an offloaded one's host blocks go back to the pool)."""
+        ep = self.episodes.pop(episode_id, None)
+        if ep is not None and isinstance(ep.kv, _HostKV):
+            self._pool.give(ep.kv.blocks)
         self.fed.pop(episode_id, None)
+        self._resident.pop(episode_id, None)
 
     def history(self, episode_id: Hashable) -> list[int]:
         """All token ids of the episode so far (prompt, observations, sampled tokens)."""
@@ -266,7 +353,15 @@ class Engine:
                 ep.ids = ep.ids[:p]
                 if ep.n_cached > p:
                     ep.n_cached = p
-                    ep.kv = ep.kv[:, :, :, :p].clone() if p > 0 else None
+                    if isinstance(ep.kv, _HostKV):         # cut on the host: through a pageable copy, into new blocks
+                        with self._timed():
+                            kv = torch.empty(ep.kv.shape, dtype=ep.kv.dtype)       # (layers, 2, Hkv, n, D)
+                            self._reload(ep.kv, kv)
+                            ep.kv = self._host(kv[:, :, :, :p]) if p > 0 else None
+                    else:
+                        ep.kv = ep.kv[:, :, :, :p].clone() if p > 0 else None
+                    if ep.kv is None:
+                        self._resident.pop(eid, None)
             news.append((eid, list(full[p:]), *rest))
         return self.step(news)
 
@@ -298,20 +393,33 @@ class Engine:
     def _run(self, queue: list[tuple[Hashable, int]], results: dict) -> None:
         """Continuous batching over the queued (episode, budget) pairs until all have finished."""
         eps = self.episodes
-        n_feed = max(len(eps[e].ids) - eps[e].n_cached for e, _ in queue)
-        cap = max(max(eps[e].n_cached for e, _ in queue) + n_feed, max(len(eps[e].ids) + b for e, b in queue))
+        cap = max(len(eps[e].ids) + b for e, b in queue)                 # every row's final length fits
+        if self.kv_budget is None:   # and all rows' padded prefills at once (with a budget _admit splits them)
+            n_feed = max(len(eps[e].ids) - eps[e].n_cached for e, _ in queue)
+            cap = max(cap, max(eps[e].n_cached for e, _ in queue) + n_feed)
         cap = -(-cap // 64) * 64                                          # arena columns C
         B = min(self.max_batch, len(queue))
+        if self.kv_budget is not None:
+            row = cap * self.kv_token_bytes
+            if row > self.kv_budget:
+                raise ValueError(f"kv_budget_gib={self.kv_budget / 2 ** 30:.4g}: one arena row of {cap} tokens needs "
+                                 f"{row / 2 ** 30:.4g} GiB ({self.kv_token_bytes} bytes per token)")
+            B = min(B, self.kv_budget // row)
+            self._evict(B * row)                                          # make room for the arena
+        admit_min = min(self.admit_min, B)
         self.arena = torch.zeros(self.n_layers, 2, B, self.n_kv, cap, self.head_dim,
                                  dtype=self.dtype, device=self.device)   # (layers, 2, B, Hkv, C, D)
+        self._kv_resident()
+        self.stats["arena_rows_max"] = max(self.stats["arena_rows_max"], B)
         self.rows: list[_Row] = []
+        self._in_run = {e for e, _ in queue}
         # similar feed lengths prefill together (less padding)
         queue = sorted(queue, key=lambda q: len(eps[q[0]].ids) - eps[q[0]].n_cached)
         try:
             while queue or self.rows:
                 n_alive = sum(r.alive for r in self.rows)
                 free = B - n_alive
-                admit = bool(queue) and (free >= min(self.admit_min, len(queue)) or n_alive == 0)
+                admit = bool(queue) and (free >= min(admit_min, len(queue)) or n_alive == 0)
                 n_dead = len(self.rows) - n_alive
                 if n_dead and (admit or n_dead >= self.compact_min or n_alive == 0):
                     self._compact()
@@ -328,7 +436,7 @@ class Engine:
             raise
         finally:
             self._graph = None                   # it points into the arena: drop it first
-            self.arena, self.rows = None, []
+            self.arena, self.rows, self._in_run = None, [], set()
 
     def _compact(self) -> None:
         """Move alive rows to the front of the arena (in place, increasing order: never overwrites a source)."""
@@ -344,21 +452,29 @@ class Engine:
         """Load the group's caches into free rows, prefill their new tokens (in chunks of rows), sample one token."""
         self.stats["admissions"] += 1
         r0 = len(self.rows)
-        for i, (eid, budget) in enumerate(group):
-            ep = self.episodes[eid]
-            if ep.kv is not None:
-                self.arena[:, :, r0 + i, :, :ep.n_cached] = ep.kv
-            ep.kv = None                                         # the arena owns it until the row finishes
-            self.rows.append(_Row(eid, ep.n_cached, budget))
+        on_host = any(isinstance(self.episodes[e].kv, _HostKV) for e, _ in group)
+        with self._timed(on_host):                               # offloaded caches come back host -> arena
+            for i, (eid, budget) in enumerate(group):
+                ep = self.episodes[eid]
+                dst = self.arena[:, :, r0 + i, :, :ep.n_cached]  # (layers, 2, Hkv, n, D) view
+                if isinstance(ep.kv, _HostKV):
+                    self._reload(ep.kv, dst)
+                    self.stats["kv_reloaded_tokens"] += ep.n_cached
+                elif ep.kv is not None:
+                    dst.copy_(ep.kv)
+                ep.kv = None                                     # the arena owns it until the row finishes
+                self._resident.pop(eid, None)
+                self.rows.append(_Row(eid, ep.n_cached, budget))
+        C = self.arena.shape[4]
         i = 0
-        while i < len(group):                                    # chunks of rows with <= prefill_tokens positions
-            j, q = i, 0
+        while i < len(group):    # chunks of rows with <= prefill_tokens positions whose padded feeds fit C
+            j, q, start = i, 0, 0
             while j < len(group):
                 e = self.episodes[group[j][0]]
-                q2 = max(q, len(e.ids) - e.n_cached)
-                if j > i and (j + 1 - i) * q2 > self.prefill_tokens:
+                q2, start2 = max(q, len(e.ids) - e.n_cached), max(start, e.n_cached)
+                if j > i and ((j + 1 - i) * q2 > self.prefill_tokens or start2 + q2 > C):
                     break
-                q, j = q2, j + 1
+                q, start, j = q2, start2, j + 1
             self._prefill(r0 + i, r0 + j, results)
             i = j
 
@@ -436,12 +552,98 @@ class Engine:
             r.budget -= 1
             if t in self.stop_ids or r.budget <= 0:
                 ep = self.episodes[r.eid]
-                ep.kv = self.arena[:, :, i, :, :r.length].clone()       # (layers, 2, Hkv, n, D)
-                ep.n_cached = r.length
                 ep.ids.extend(r.out)
-                assert ep.n_cached == len(ep.ids) - 1, "cache must hold all but the pending sampled token"
+                assert r.length == len(ep.ids) - 1, "cache must hold all but the pending sampled token"
+                self._store(ep, r.eid, self.arena[:, :, i, :, :r.length])   # (layers, 2, Hkv, n, D) view
                 results[r.eid] = (r.eid, r.out, r.lps, "stop" if t in self.stop_ids else "length")
                 r.alive = False
+
+    # ---- KV memory budget ----------------------------------------------------------------------------
+
+    def _store(self, ep: _Episode, eid: Hashable, kv: torch.Tensor) -> None:
+        """A finished row's cache (an arena view) becomes the episode's idle cache: on the device if it fits the
+        budget after evicting idle caches of episodes outside this step, else on host (or dropped)."""
+        n = ep.n_cached = kv.shape[3]
+        if self.kv_budget is None or self._evict(n * self.kv_token_bytes, keep=self._in_run):
+            ep.kv = kv.clone()
+            self._resident[eid] = None                           # most recently used
+            self._kv_resident()
+        elif self.kv_evict == "drop":
+            ep.kv, ep.n_cached = None, 0
+            self.stats["kv_dropped_tokens"] += n
+        else:
+            with self._timed():
+                ep.kv = self._host(kv)
+            self.stats["kv_offloaded_tokens"] += n
+
+    def _evict(self, need: int, keep: set = frozenset()) -> bool:
+        """Evict idle caches on the device, least recently used first (not those in keep), until `need` more bytes
+        fit the budget; whether they fit."""
+        for eid in [e for e in self._resident if e not in keep]:
+            if self._kv_resident() + need <= self.kv_budget:
+                break
+            ep = self.episodes[eid]
+            del self._resident[eid]
+            if self.kv_evict == "drop":          # re-prefilled from ep.ids when its turn comes
+                self.stats["kv_dropped_tokens"] += ep.n_cached
+                ep.kv, ep.n_cached = None, 0
+            else:
+                with self._timed():
+                    ep.kv = self._host(ep.kv)
+                self.stats["kv_offloaded_tokens"] += ep.n_cached
+        return self._kv_resident() + need <= self.kv_budget
+
+    def _kv_resident(self) -> int:
+        """KV bytes on the device now (the arena + idle caches of resident episodes); records the peak."""
+        tensors = [self.episodes[e].kv for e in self._resident] + [self.arena]
+        n = sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        self.stats["kv_peak_resident_gib"] = max(self.stats["kv_peak_resident_gib"], n / 2 ** 30)
+        return n
+
+    def _host(self, kv: torch.Tensor) -> _HostKV:
+        """Offload: copy kv (layers, 2, Hkv, n, D), any strides, into blocks of the host pool (pinned on CUDA:
+        fixed power-of-two blocks, so the pinned allocator's rounding wastes nothing; see above `Engine`).
+
+        One layer (2, Hkv, n, D) at a time is made contiguous on kv's device and copied asynchronously into
+        consecutive block bytes; the caller's `_timed` waits for the copies. On a CPU engine the blocks are plain
+        tensors and the same code runs synchronously."""
+        h = _HostKV(self._pool.take(kv.numel() * kv.element_size()), kv.shape, kv.dtype)
+        layer = kv[0].numel() * kv.element_size()                             # bytes of (2, Hkv, n, D)
+        for l in range(kv.shape[0]):
+            src = kv[l].contiguous().view(-1).view(torch.uint8)               # (layer,) bytes
+            for blk, a, k in self._pool.pieces(h.blocks, l * layer, layer):
+                blk.copy_(src[a:a + k], non_blocking=True)
+        self.stats["kv_host_gib"] = self._pool.allocated * self._pool.block / 2 ** 30
+        self.stats["kv_host_alloc_s"] = self._pool.alloc_s
+        return h
+
+    def _reload(self, h: _HostKV, dst: torch.Tensor) -> None:
+        """Copy an offloaded cache into dst (layers, 2, Hkv, n, D), e.g. an arena row, and give its blocks back.
+
+        A layer's bytes may straddle blocks, so each layer goes through a staging buffer (2, Hkv, n, D) on dst's
+        device (asynchronously from pinned blocks) and then into dst's strides. A strided cross-device `copy_`
+        stages through a temporary of the same size anyway. Blocks handed back while copies are in flight are
+        safe: the next writer is an offload on the same CUDA stream, or host code after a `_timed` sync."""
+        layer = h.shape[1:].numel() * h.dtype.itemsize
+        for l in range(h.shape[0]):
+            stage = torch.empty(layer, dtype=torch.uint8, device=dst.device)
+            for blk, a, k in self._pool.pieces(h.blocks, l * layer, layer):
+                stage[a:a + k].copy_(blk, non_blocking=True)
+            dst[l].copy_(stage.view(h.dtype).view(h.shape[1:]))
+        self._pool.give(h.blocks)
+
+    @contextlib.contextmanager
+    def _timed(self, on: bool = True):
+        """Add the block's wall time to stats["kv_offload_s"], synchronizing CUDA so that async copies count."""
+        sync = on and self.device.type == "cuda"
+        if sync:
+            torch.cuda.synchronize(self.device)
+        t = time.perf_counter()
+        yield
+        if sync:
+            torch.cuda.synchronize(self.device)
+        if on:
+            self.stats["kv_offload_s"] += time.perf_counter() - t
 
     # ---- the model call ------------------------------------------------------------------------------
 

@@ -9,6 +9,12 @@ engine's turn is appended: it left-pads every active conversation, re-encodes it
 Models have random weights built from a config (no download): `toy` (CPU), `small` (~0.7B Qwen3-MoE) and
 `a3b` (the Qwen3-30B-A3B shape, ~61 GB in bf16).
 
+KV budget (`--kv-budget-gib`, `--kv-evict offload|drop`): the engine keeps its arena plus the idle caches on the
+device within the budget (generate.py, above `Engine`). Preset `a3b_kv`: 64 episodes of the A3B shape grow to
+~15-16k tokens each (2,048-token prompt, 4 observations of 3,000-3,500 tokens, turns of <= 32 sampled tokens):
+~90 GiB of KV at 96 KiB per token, run within 40 GiB; `toy_kv` is the same mechanism on the CPU toy model.
+Reported: arena rows, peak resident KV, tokens offloaded/reloaded/dropped and seconds of copies.
+
 Reported: tokens/s of both over the turns both ran (the plain loop's later turns are only slower, so the
 speedup on its first turns is a lower bound), engine tokens/s over all turns, seconds per turn vs turn index,
 and under greedy decoding (`--temperature 0`) the fraction of turns where engine and plain produced the
@@ -18,11 +24,15 @@ Departures: none from the paper (this is infrastructure). The plain loop uses `g
 (on GPU transformers may switch MoE experts to `batched_mm` for decode); the engine uses `--experts`.
 
 Smoke (CPU, ~1 min): python scripts/bench_generate.py --preset toy --device cpu
+                    python scripts/bench_generate.py --preset toy_kv --device cpu
 Full (H200, ~4 min each): python scripts/bench_generate.py --preset small --out bench_small.json
                           python scripts/bench_generate.py --preset a3b --out bench_a3b.json
+                          python scripts/bench_generate.py --preset a3b_kv --out bench_a3b_kv.json
+Flags: --field-name VALUE for any BenchConfig field (tyro when installed, else a plain argparse fallback).
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -40,7 +50,9 @@ from generate import Engine  # noqa: E402
 @dataclasses.dataclass
 class BenchConfig:
     preset: str = "toy"
-    """model size and workload: toy | small | a3b"""
+    """model size and workload: toy | small | a3b | toy_kv | a3b_kv"""
+    model: str = ""
+    """model shape: toy | small | a3b ("": the preset's name)"""
     device: str = "auto"
     """cpu | cuda | auto (cuda when available)"""
     dtype: str = "auto"
@@ -56,7 +68,9 @@ class BenchConfig:
     prompt_tokens: int = 64
     """tokens in the first prompt"""
     obs_tokens: int = 32
-    """max tokens per observation (each is uniform in [obs_tokens/2, obs_tokens])"""
+    """max tokens per observation (each is uniform in [obs_min_tokens, obs_tokens])"""
+    obs_min_tokens: int = 0
+    """min tokens per observation (0: obs_tokens/2)"""
     new_tokens: int = 16
     """max new tokens per turn (each episode's budget is uniform in [new_tokens/2, new_tokens])"""
     temperature: float = 0.0
@@ -67,6 +81,10 @@ class BenchConfig:
     """MoE experts implementation for the engine: grouped_mm | batched_mm | eager | None (model default)"""
     cuda_graphs: bool = True
     """engine decode through CUDA graphs (falls back to eager, and says why, if capture fails)"""
+    kv_budget_gib: float | None = None
+    """engine KV memory on the device (arena + idle caches); None: no limit"""
+    kv_evict: str = "offload"
+    """what happens to idle caches beyond the budget: offload (to host memory) | drop (re-prefilled later)"""
     seed: int = 0
     """seed for weights and workload"""
     out: str | None = None
@@ -79,6 +97,12 @@ PRESETS = {
                          new_tokens=192),
     "a3b": BenchConfig(preset="a3b", episodes=32, turns=8, plain_turns=3, prompt_tokens=512, obs_tokens=384,
                        new_tokens=160),
+    # 64 x ~15.2k tokens (max ~16.2k) x 96 KiB = ~89 GiB of KV through a 40 GiB budget (26 arena rows at 16k)
+    "a3b_kv": BenchConfig(preset="a3b_kv", model="a3b", episodes=64, max_batch=64, turns=5, plain_turns=0,
+                          prompt_tokens=2048, obs_tokens=3500, obs_min_tokens=3000, new_tokens=32,
+                          kv_budget_gib=40.0),
+    # the toy model (512 bytes per token in fp32) within 0.4 MiB: 3-6 arena rows, most idle caches evicted
+    "toy_kv": BenchConfig(preset="toy_kv", model="toy", kv_budget_gib=0.0004),
 }
 
 MODELS = {   # Qwen3MoeConfig kwargs
@@ -97,8 +121,9 @@ MODELS = {   # Qwen3MoeConfig kwargs
 def build_model(cfg: BenchConfig, device: str, dtype: torch.dtype):
     """Random-weight Qwen3-MoE of the preset's shape, built directly on the device (no download)."""
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
-    mcfg = Qwen3MoeConfig(**MODELS[cfg.preset], max_position_embeddings=40960, tie_word_embeddings=False,
-                          norm_topk_prob=True, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    mcfg = Qwen3MoeConfig(**MODELS[cfg.model or cfg.preset], max_position_embeddings=40960,
+                          tie_word_embeddings=False, norm_topk_prob=True, pad_token_id=0, eos_token_id=1,
+                          bos_token_id=None)
     torch.manual_seed(cfg.seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(mcfg, dtype=dtype)
@@ -156,13 +181,13 @@ def main(cfg: BenchConfig) -> int:
     print(f"model {cfg.preset}: {n_params / 1e9:.2f}B params, {dtype}, {device}, built in {time.time() - t0:.0f}s "
           f"(experts={model.get_experts_implementation()}, attn={model.config._attn_implementation})", flush=True)
     toks = lambda n: [rng.randrange(2, V) for _ in range(n)]
-    obs = [[toks(cfg.prompt_tokens)] + [toks(rng.randint(cfg.obs_tokens // 2, cfg.obs_tokens))
+    obs = [[toks(cfg.prompt_tokens)] + [toks(rng.randint(cfg.obs_min_tokens or cfg.obs_tokens // 2, cfg.obs_tokens))
                                         for _ in range(cfg.turns - 1)] for _ in range(cfg.episodes)]
     budgets = [[rng.randint(max(1, cfg.new_tokens // 2), cfg.new_tokens) for _ in range(cfg.turns)]
                for _ in range(cfg.episodes)]
     eng = Engine(model, None, max_batch=cfg.max_batch or cfg.episodes, max_new_tokens=cfg.new_tokens,
                  temperature=cfg.temperature, seed=cfg.seed, stop_ids=stop_ids, experts=cfg.experts,
-                 cuda_graphs=cfg.cuda_graphs)
+                 cuda_graphs=cfg.cuda_graphs, kv_budget_gib=cfg.kv_budget_gib, kv_evict=cfg.kv_evict)
 
     # warm-up (CUDA context, kernels, allocator) for both paths, then forget the warm-up episode
     eng.step([("warmup", toks(16), 4)])
@@ -184,10 +209,12 @@ def main(cfg: BenchConfig) -> int:
             sync(device)
             row.update(plain_s=time.perf_counter() - a, plain_tokens=sum(len(p[0]) for p in plain))
         sync(device)
-        a = time.perf_counter()
+        a, copy_s = time.perf_counter(), eng.stats["kv_offload_s"]
         outs = eng.step([(e, obs[e][t], budgets[e][t]) for e in range(cfg.episodes)])
         sync(device)
         row.update(engine_s=time.perf_counter() - a, engine_tokens=sum(len(o[1]) for o in outs))
+        if cfg.kv_budget_gib is not None:
+            row["kv_copy_s"] = eng.stats["kv_offload_s"] - copy_s
         if t < cfg.plain_turns and cfg.temperature <= 0:      # token identity under greedy decoding
             for (_, ids, lps, _), (pids, plps) in zip(outs, plain):
                 total_cmp += 1
@@ -210,7 +237,8 @@ def main(cfg: BenchConfig) -> int:
                plain_tok_s_first_k=tps(rows[:k], "plain") if k else None, plain_turns_run=k,
                identical_turns=f"{same}/{total_cmp}" if total_cmp else None,
                max_abs_dlogprob=max_dlp if total_cmp else None,
-               engine_stats=eng.stats, engine_cuda_graphs=eng.cuda_graphs, graph_error=eng.graph_error, turns=rows)
+               engine_stats=eng.stats, engine_cuda_graphs=eng.cuda_graphs, graph_error=eng.graph_error, turns=rows,
+               kv_all_episodes_gib=sum(map(len, convs)) * eng.kv_token_bytes / 2 ** 30)
     if k:
         res["speedup_first_k"] = res["engine_tok_s_first_k"] / max(1e-9, res["plain_tok_s_first_k"])
     if device == "cuda":
@@ -222,7 +250,8 @@ def main(cfg: BenchConfig) -> int:
     print(f"\n### generate.Engine vs plain generate loop: {cfg.preset} "
           f"({n_params / 1e9:.2f}B, {res['device']}, {dtype})")
     print(f"{cfg.episodes} episodes x {cfg.turns} turns (plain: first {k}), obs <= {cfg.obs_tokens}, "
-          f"new <= {cfg.new_tokens}, max_batch {cfg.max_batch or cfg.episodes}, T={cfg.temperature}\n")
+          f"new <= {cfg.new_tokens}, max_batch {cfg.max_batch or cfg.episodes}, T={cfg.temperature}, "
+          f"KV budget {cfg.kv_budget_gib} GiB ({cfg.kv_evict})\n")
     print("| turn | mean context | plain s | engine s | plain tok | engine tok | identical rows |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
@@ -240,15 +269,45 @@ def main(cfg: BenchConfig) -> int:
     if total_cmp:
         print(f"| greedy identical turns | {same}/{total_cmp} |")
         print(f"| max abs delta logprob (shared prefix) | {max_dlp:.3g} |")
+    s = eng.stats
+    print(f"| KV of all episodes at the end | {res['kv_all_episodes_gib']:.3g} GiB |")
+    print(f"| KV budget; peak resident (arena + idle caches) | {cfg.kv_budget_gib} GiB; "
+          f"{s['kv_peak_resident_gib']:.3g} GiB |")
+    print(f"| arena rows (max) | {s['arena_rows_max']} of {cfg.max_batch or cfg.episodes} |")
+    print(f"| KV tokens offloaded / reloaded / dropped | {s['kv_offloaded_tokens']} / {s['kv_reloaded_tokens']} / "
+          f"{s['kv_dropped_tokens']} |")
+    print(f"| KV copy seconds (offload + reload) | {s['kv_offload_s']:.2f} |")
+    moved = (s['kv_offloaded_tokens'] + s['kv_reloaded_tokens']) * eng.kv_token_bytes / 1e9
+    print(f"| KV copied; rate | {moved:.3g} GB; {moved / max(1e-9, s['kv_offload_s']):.3g} GB/s |")
+    print(f"| host block pool for offloaded KV; seconds allocating it | {s['kv_host_gib']:.3g} GiB; "
+          f"{s['kv_host_alloc_s']:.2f} |")
+    if device == "cuda":
+        print(f"| peak GPU memory allocated | {res['peak_mem_gb']:.1f} GiB |")
     return 0
 
 
+def cli(argv: list[str]) -> BenchConfig:
+    """--preset NAME picks the defaults; --field-name VALUE overrides any BenchConfig field. tyro parses when it
+    is installed; the GPU image has none, so a plain argparse over the same fields otherwise."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--preset", default="toy", choices=PRESETS)
+    name, rest = pre.parse_known_args(argv)
+    base = dataclasses.replace(PRESETS[name.preset], preset=name.preset)
+    try:
+        import tyro  # the command line only
+    except ImportError:
+        p = argparse.ArgumentParser(prog="bench_generate.py", allow_abbrev=False)
+        for f in dataclasses.fields(BenchConfig):
+            flags = [f"--{f.name.replace('_', '-')}"] + ([f"--{f.name}"] if "_" in f.name else [])
+            default = getattr(base, f.name)
+            if isinstance(default, bool):
+                p.add_argument(*flags, action=argparse.BooleanOptionalAction, default=default)
+            elif f.name != "preset":
+                kind = {"int": int, "float": float, "str": str}[f.type.split(" ")[0]]   # "float | None" -> float
+                p.add_argument(*flags, default=default, type=lambda v, k=kind: None if v == "None" else k(v))
+        return dataclasses.replace(base, **vars(p.parse_args(rest)))
+    return tyro.cli(BenchConfig, args=rest, default=base, prog="bench_generate.py")
+
+
 if __name__ == "__main__":
-    import dataclasses
-
-    import tyro   # the command line only
-
-    from cuda_agent import pop_preset
-    name, rest = pop_preset(sys.argv[1:], PRESETS)
-    sys.exit(main(tyro.cli(BenchConfig, args=rest, default=dataclasses.replace(PRESETS[name], preset=name),
-                           prog="bench_generate.py")))
+    sys.exit(main(cli(sys.argv[1:])))

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from generate import Engine, episode_generator, plain_turn, sample_next
+from generate import Engine, _HostKV, episode_generator, plain_turn, sample_next
 
 try:
     from policy import build_tiny_model_and_tokenizer
@@ -223,3 +223,129 @@ def test_sample_next_filters():
         assert ids.item() == 1 and abs(lp.item() - torch.log_softmax(logits, -1)[0, 1].item()) < 1e-6
         ids, _ = sample_next(logits, [g], temperature=1.0, top_p=0.7)   # p(1)=.64, p(3)=.24: keeps {1, 3}
         assert ids.item() in (1, 3)
+
+
+def long_script(n_eps, turns, seed=0):
+    """Every episode plays all turns from a long prompt, so arena rows are wide and idle caches are large."""
+    rng = random.Random(seed)
+    tok = lambda n: [rng.randrange(1, V) for _ in range(n)]
+    return {e: [(tok(rng.randint(100, 120)) if t == 0 else tok(rng.randint(5, 25)), rng.randint(3, 12))
+                for t in range(turns)] for e in range(n_eps)}
+
+
+@pytest.mark.parametrize("mode", ["offload", "drop"])
+def test_kv_budget_same_outputs(model, mode):
+    """A budget of 400 tokens of KV (1-3 arena rows, idle caches evicted): same tokens and log-probs as unlimited."""
+    script = long_script(5, 4, seed=12)
+    ref, eng0 = run_engine(model, script, max_batch=5, temperature=0.0)
+    budget = 400 * eng0.kv_token_bytes / 2 ** 30
+    assert eng0.stats["kv_peak_resident_gib"] > 2 * budget                    # the budget binds
+    outs, eng = run_engine(model, script, max_batch=5, temperature=0.0, kv_budget_gib=budget, kv_evict=mode)
+    assert_same(outs, ref, tol=1e-5)
+    s = eng.stats
+    assert 0 < s["kv_peak_resident_gib"] <= budget, s
+    assert s["arena_rows_max"] <= 3 < eng0.stats["arena_rows_max"], s         # 128 columns x 3 rows <= 400
+    if mode == "offload":
+        assert s["kv_offloaded_tokens"] > 0 and s["kv_reloaded_tokens"] > 0 and s["kv_dropped_tokens"] == 0, s
+        assert s["prefill_tokens"] == eng0.stats["prefill_tokens"]             # nothing recomputed
+    else:
+        assert s["kv_dropped_tokens"] > 0 and s["kv_offloaded_tokens"] == s["kv_reloaded_tokens"] == 0, s
+        extra = s["prefill_tokens"] - eng0.stats["prefill_tokens"]           # dropped caches were re-prefilled
+        assert 0 < extra <= s["kv_dropped_tokens"], s                         # (the last turn's drops are not)
+    assert eng.stats["admissions"] > eng0.stats["admissions"]                 # rows joined as others finished
+
+
+
+def test_kv_offload_host_blocks_reused_and_exact(model, monkeypatch):
+    """Offloaded caches live in fixed host blocks: a cache whose layers straddle block boundaries round-trips
+    bit for bit, blocks are reused across turns (the pool never outgrows the most ever offloaded at once), a
+    rewind of an offloaded cache stays exact, and released episodes give their blocks back."""
+    block = 3000                     # bytes; no layer's bytes are a multiple of it, so layers straddle blocks
+    eng = Engine(model, None, kv_host_block=block)
+    for dtype in (torch.float32, torch.bfloat16):
+        arena = torch.randn(2, 2, 3, 2, 50, 32).to(dtype)                  # (layers, 2, B, Hkv, C, D)
+        kv = arena[:, :, 1, :, :37]                                          # a strided row view, n = 37
+        h = eng._host(kv)
+        nbytes = kv.numel() * kv.element_size()                              # 2 layers of 2*2*37*32 elements
+        assert len(h.blocks) == -(-nbytes // block) and (nbytes // 2) % block != 0
+        back = torch.zeros_like(arena)
+        eng._reload(h, back[:, :, 2, :, :37])
+        assert torch.equal(back[:, :, 2, :, :37], kv) and back[:, :, :2].abs().sum() == 0
+        assert len(eng._pool.free) == eng._pool.allocated                    # all blocks back on the free list
+
+    held = {"now": 0, "peak": 0}                                            # bytes of offloaded caches
+    host, reload = Engine._host, Engine._reload
+    size = lambda h: h.shape.numel() * h.dtype.itemsize
+
+    def tracked_host(self, kv):
+        h = host(self, kv)
+        held["now"] += size(h)
+        held["peak"] = max(held["peak"], held["now"])
+        return h
+
+    def tracked_reload(self, h, dst):
+        held["now"] -= size(h)
+        return reload(self, h, dst)
+
+    monkeypatch.setattr(Engine, "_host", tracked_host)
+    monkeypatch.setattr(Engine, "_reload", tracked_reload)
+    script = long_script(5, 4, seed=12)
+    ref, eng0 = run_engine(model, script, max_batch=5, temperature=0.0)
+    budget = 400 * eng0.kv_token_bytes / 2 ** 30
+    outs, eng = run_engine(model, script, max_batch=5, temperature=0.0, kv_budget_gib=budget, kv_host_block=block)
+    assert_same(outs, ref, tol=1e-5)
+    s, pool = eng.stats, eng._pool
+    assert pool.allocated <= -(-held["peak"] // block) + len(script), (pool.allocated, held)   # <1 block slack/cache
+    assert s["kv_offloaded_tokens"] * eng.kv_token_bytes > 2 * pool.allocated * block, s      # blocks were reused
+    assert s["kv_host_gib"] == pool.allocated * block / 2 ** 30
+
+    e = next(e for e, ep in eng.episodes.items() if isinstance(ep.kv, _HostKV))
+    hist = eng.history(e)
+    edited = hist[:40] + [(hist[40] + 1) % V or 1] + hist[41:] + [17, 18]
+    (_, ids, _, _), = eng.step_full([(e, edited, 6)])                    # cut to 40 tokens on the host, then fed
+    assert eng.stats["rewinds"] == 1
+    assert ids == plain_turn(model, edited, 6, STOP, torch.Generator(), temperature=0.0)[0]
+    for e in script:
+        eng.release(e)
+    assert len(pool.free) == pool.allocated and not eng.episodes
+
+def test_kv_budget_evicts_least_recently_used(model):
+    """Room for the arena plus two idle caches: a cache that comes out evicts the least recently used one."""
+    rng = random.Random(13)
+    per_token = Engine(model, None).kv_token_bytes              # layers x 2 x kv heads x head_dim x 4 bytes
+    budget = (128 + 220) * per_token / 2 ** 30                  # one 128-column row + two caches of 103-109 tokens
+    eng = Engine(model, None, max_batch=1, temperature=0.0, stop_ids=set(), max_new_tokens=4, kv_budget_gib=budget)
+    for e in range(3):
+        eng.step([(e, [rng.randrange(1, V) for _ in range(100)])])   # a cache of 100 + 3 tokens each
+    assert list(eng._resident) == [1, 2] and eng.stats["kv_offloaded_tokens"] == 103, eng.stats   # 0 left
+    eng.step([(1, [5, 6])])                                     # 1 is now the most recently used
+    assert list(eng._resident) == [2, 1] and eng.stats["kv_reloaded_tokens"] == 0, eng.stats
+    eng.step([(0, [5, 6])])                                     # 0 comes back from host; its new cache evicts 2
+    assert list(eng._resident) == [1, 0] and eng.stats["kv_reloaded_tokens"] == 103, eng.stats
+    assert eng.stats["kv_offloaded_tokens"] == 2 * 103 and eng.stats["kv_peak_resident_gib"] <= budget
+
+
+def test_kv_budget_drop_prefills_cached_and_dropped_rows_together(model):
+    """A dropped episode (whole conversation to feed) admitted beside a cached one: the rows still fit the arena."""
+    rng = random.Random(14)
+    tok = lambda n: [rng.randrange(1, V) for _ in range(n)]
+    steps = [[(0, tok(200), 4)], [(1, tok(300), 340)], [(0, tok(5), 4), (1, tok(5), 4)]]
+    per_token = Engine(model, None).kv_token_bytes
+    outs = {}
+    for budget in (None, 990 * per_token / 2 ** 30):       # 640-column row + 350 tokens; then 2 rows of 320 + 300
+        eng = Engine(model, None, max_batch=2, temperature=0.0, stop_ids=set(range(V)),   # 1 token per turn
+                     kv_budget_gib=budget, kv_evict="drop")
+        outs[budget] = [eng.step(reqs) for reqs in steps]
+    assert eng.stats["arena_rows_max"] == 2, eng.stats
+    assert eng.stats["kv_dropped_tokens"] == 200 + 206, eng.stats   # 0's cache in step 2, again after step 3
+    for a, b in zip(*outs.values()):
+        for (_, ia, la, _), (_, ib, lb, _) in zip(a, b):
+            assert ia == ib and abs(la[0] - lb[0]) < 1e-5
+
+
+def test_kv_budget_too_small_for_one_row(model):
+    """A budget below one arena row (64 columns) is a configuration error that names the numbers."""
+    per_token = Engine(model, None).kv_token_bytes
+    eng = Engine(model, None, temperature=0.0, stop_ids=STOP, kv_budget_gib=32 * per_token / 2 ** 30)
+    with pytest.raises(ValueError, match="one arena row of 64 tokens needs"):
+        eng.step([(0, [3, 4, 5], 4)])
