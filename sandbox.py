@@ -149,7 +149,7 @@ class SandboxConfig:
     can use CUDA: a CUDA context there, ~0.5 GB; a 64 MB output compares in ms, not ~0.1-0.5 s) | "cpu" """
     warm_spares: int = -1
     """pre-started candidate children kept per device (torch imported, CUDA up, checks warmed); each serves
-    one candidate and is replaced in the background. 0 = start a child per check; -1 = 4 on cuda, 0 on cpu
+    one candidate and is replaced in the background. 0 = start a child per check; -1 = 8 on cuda, 0 on cpu
     (a spare's start-up would share the cores with a check being timed). Form (a) runs in a new child"""
 
 
@@ -319,9 +319,11 @@ def _run_check(src: str, solution: str, cfg: SandboxConfig, v: Verdict, compile_
 
 
 def warm_spares(cfg: SandboxConfig) -> int:
-    """Spares per device slot: start-up (~3 s on an H200) over a check's time (~1 s) needs a few in flight
-    on a GPU; on a CPU every spare's start competes with the check being timed."""
-    return cfg.warm_spares if cfg.warm_spares >= 0 else 4 if cfg.device == "cuda" else 0
+    """Spares per device slot: a spare's start-up (3-5 s on an H200 while others start too) over a check's
+    time (~1.3 s) needs several in flight on a GPU (with 4, one check in five waited 1-5 s for its spare;
+    docs/RESULTS.md); each holds a CUDA context on its GPU. On a CPU every spare's start competes with the check
+    being timed."""
+    return cfg.warm_spares if cfg.warm_spares >= 0 else 8 if cfg.device == "cuda" else 0
 
 
 class _Spares:

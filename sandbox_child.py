@@ -473,7 +473,7 @@ def visible_devices(gpu: int | None) -> str:
 
 def require_device(device: str):
     """SandboxError unless `device` can run here: "cpu", or "cuda" with at least one GPU listed by nvidia-smi
-    (asked once; the host never initialises CUDA itself)."""
+    (asked once, without CUDA: the host uses CUDA only to compare trial outputs, `SandboxConfig.compare_on`)."""
     if device == "cuda" and gpus_listed() == 0:
         raise SandboxError("--sandbox.device cuda, but no GPU is visible (nvidia-smi lists none); "
                            "use --sandbox.device cpu")

@@ -9,7 +9,8 @@ Variants, each the median of --iters calls in this process (the same compiled ke
   fresh + scrub + guard        fresh inputs every call;
   checked              what the sandbox does: fresh inputs, scrub, guard, then a sketch of the output;
   checked, in place    the same with fresh values copied into one input buffer;
-  checked, 3 ms gaps   `checked` with the GPU idle 3 ms between calls (a check's pipe round trips leave gaps);
+  checked, 3 ms gaps   `checked` with the GPU idle 3 ms between calls (a check's pipe round trips leave gaps),
+                       the process asleep or spinning;
   ..., float4 kernel   the same kernel with 16-byte loads (bench_sandbox --kernel relu_vec).
 
 GPU: python scripts/bench_guard.py --device cuda
@@ -71,7 +72,7 @@ def main():
     buf = torch.empty(a.numel, device=a.device)
     eager = torch.nn.ReLU()
 
-    def run(fn, fresh: str, scrub: bool, guarded: bool, sketched: bool, gap_s: float = 0.0) -> float:
+    def run(fn, fresh: str, scrub: bool, guarded: bool, sketched: bool, gap_s: float = 0.0, spin: bool = False) -> float:
         times = []
         for i in range(a.iters + 10):
             if fresh == "alloc":
@@ -96,7 +97,12 @@ def main():
                 w.sketch([out], [1, 2, 3])
             if gap_s:
                 clocks[1]()
-                time.sleep(gap_s)
+                if spin:
+                    t_end = time.perf_counter() + gap_s
+                    while time.perf_counter() < t_end:
+                        pass
+                else:
+                    time.sleep(gap_s)
             times.append(ms)
         return statistics.median(times[10:])
     timer = w.Timer(task, a.device, 0)
@@ -109,6 +115,7 @@ def main():
            "checked": run(model, "alloc", True, True, True),
            "checked, in place": run(model, "copy", True, True, True),
            "checked, 3 ms gaps": run(model, "alloc", True, True, True, 0.003),
+           "checked, 3 ms gaps spinning": run(model, "alloc", True, True, True, 0.003, spin=True),
            "eager (checked), 3 ms gaps": run(eager, "alloc", True, False, True, 0.003)}
     if a.device == "cuda":
         vec = Relu(build(a.device, VEC_CU))
