@@ -39,6 +39,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicCache, StaticLayer
 
+from kv_host import KV_HOST_BLOCK, HostKV, HostPool, offload, reload
+
 ATTN_NAME = "cuda_agent_ragged"
 
 
@@ -150,55 +152,11 @@ class _RaggedLayer(StaticLayer):
         return self.keys, self.values
 
 
-KV_HOST_BLOCK = 64 * 2 ** 20   # bytes per host block of offloaded caches (a power of two: see above `Engine`)
-
-
-class _HostPool:
-    """Fixed-size host blocks (pinned when the engine runs on CUDA), kept on a free list and reused."""
-
-    def __init__(self, block: int, pin: bool):
-        self.block, self.pin = block, pin
-        self.free: list[torch.Tensor] = []         # (block,) uint8 each
-        self.allocated = 0                          # blocks ever allocated (held by caches or free)
-        self.alloc_s = 0.0                          # seconds spent allocating (pinning) them
-
-    def take(self, nbytes: int) -> list[torch.Tensor]:
-        """ceil(nbytes / block) blocks, from the free list first."""
-        n = -(-nbytes // self.block)
-        t = time.perf_counter()
-        while len(self.free) < n:
-            self.free.append(torch.empty(self.block, dtype=torch.uint8, pin_memory=self.pin))
-            self.allocated += 1
-        self.alloc_s += time.perf_counter() - t
-        return [self.free.pop() for _ in range(n)]
-
-    def give(self, blocks: list[torch.Tensor]) -> None:
-        self.free.extend(blocks)
-
-    def pieces(self, blocks: list[torch.Tensor], start: int, length: int):
-        """Bytes [start, start + length) of the blocks laid end to end, as (block slice, offset in the range, size);
-        a range straddles as many block boundaries as it crosses."""
-        done = 0
-        while done < length:
-            b, off = divmod(start + done, self.block)
-            k = min(self.block - off, length - done)
-            yield blocks[b][off:off + k], done, k
-            done += k
-
-
-@dataclass
-class _HostKV:
-    """An offloaded cache: its bytes in (layers, 2, Hkv, n, D) order, laid end to end over pool blocks."""
-    blocks: list[torch.Tensor]
-    shape: torch.Size                  # (layers, 2, Hkv, n, D)
-    dtype: torch.dtype
-
-
 @dataclass
 class _Episode:
     ids: list[int]                     # every token of the conversation so far (cached + the pending one)
     n_cached: int                      # ids[:n_cached] have keys/values in kv
-    kv: torch.Tensor | _HostKV | None  # (layers, 2, Hkv, n_cached, D) on the device, offloaded to host, or None
+    kv: torch.Tensor | HostKV | None  # (layers, 2, Hkv, n_cached, D) on the device, offloaded to host, or None
     gen: torch.Generator
 
 
@@ -249,17 +207,7 @@ class _Row:
 # * evicted = copied to host memory and back into the arena when the episode is admitted (`kv_evict=
 #   "offload"`: a PCIe copy each way, host memory for what does not fit), or dropped and the episode's tokens
 #   re-prefilled when its turn comes (`"drop"`: prefill compute instead of copies and host memory).
-# Host memory for offloaded caches is a pool of fixed-size pinned blocks (`_HostPool`, 64 MiB by default). Copies
-# from pageable memory go through a driver bounce buffer (~1.3-1.9 GB/s on an H200 host); pinned ones run at
-# PCIe speed (~50 GB/s there). Pinning each cache as its own tensor would waste memory: PyTorch's pinned
-# allocator rounds a request up to a power of two and caches the block, so 63 caches of 1.5 GiB would pin
-# 126 GiB of a 128 GiB host. Power-of-two blocks are taken exactly, return to a free list when their cache is reloaded or its
-# episode released, and are reused; a cache wastes less than one block (64 MiB next to 1.5 GiB at 16k tokens).
-# A cache (layers, 2, Hkv, n, D) is copied one layer at a time (2, Hkv, n, D), ~32 MiB at 16k tokens for the A3B
-# shape, so the contiguous copy of an arena row (or the staging on the way back) stays small on the device.
-# The pool only grows (to the most ever offloaded at once) and pinning is slow, ~1.3-2.6 GiB/s with
-# cudaHostAlloc on an H200 host: a one-time cost per engine, in kv_host_alloc_s; PYTORCH_CUDA_ALLOC_CONF=
-# pinned_use_cuda_host_register:True,pinned_num_register_threads:8 pins ~3x faster.
+# Offloaded caches live in pinned host blocks (kv_host.py: why fixed blocks, what pinning costs).
 # The cost is in `stats`: kv_offloaded/reloaded/dropped_tokens, kv_offload_s (copy seconds, including pinning
 # new blocks), kv_peak_resident_gib (arena + resident caches, from tensor sizes), kv_host_gib (pinned host
 # memory held by the pool) and kv_host_alloc_s (seconds spent allocating it).
@@ -313,7 +261,7 @@ class Engine:
         self._resident: dict[Hashable, None] = {}   # episodes whose idle cache is on the device, LRU first
         self._in_run: set[Hashable] = set()         # episodes of the running `step` (not evicted for its rows)
         # offloaded caches live here; kv_host_block = bytes per block (a power of two when pinned)
-        self._pool = _HostPool(kv_host_block, pin=self.device.type == "cuda")
+        self._pool = HostPool(kv_host_block, pin=self.device.type == "cuda")
         self.stats = dict(prefill_tokens=0, prefill_positions=0, decode_tokens=0, decode_positions=0,
                           forwards=0, admissions=0, compactions=0, rewinds=0, kv_offloaded_tokens=0,
                           kv_reloaded_tokens=0, kv_dropped_tokens=0, kv_offload_s=0.0, kv_peak_resident_gib=0.0,
@@ -324,7 +272,7 @@ class Engine:
     def release(self, episode_id: Hashable) -> None:
         """Forget an episode and free its cache (an offloaded one's host blocks go back to the pool)."""
         ep = self.episodes.pop(episode_id, None)
-        if ep is not None and isinstance(ep.kv, _HostKV):
+        if ep is not None and isinstance(ep.kv, HostKV):
             self._pool.give(ep.kv.blocks)
         self.fed.pop(episode_id, None)
         self._resident.pop(episode_id, None)
@@ -353,7 +301,7 @@ class Engine:
                 ep.ids = ep.ids[:p]
                 if ep.n_cached > p:
                     ep.n_cached = p
-                    if isinstance(ep.kv, _HostKV):         # cut on the host: through a pageable copy, into new blocks
+                    if isinstance(ep.kv, HostKV):         # cut on the host: through a pageable copy, into new blocks
                         with self._timed():
                             kv = torch.empty(ep.kv.shape, dtype=ep.kv.dtype)       # (layers, 2, Hkv, n, D)
                             self._reload(ep.kv, kv)
@@ -452,12 +400,12 @@ class Engine:
         """Load the group's caches into free rows, prefill their new tokens (in chunks of rows), sample one token."""
         self.stats["admissions"] += 1
         r0 = len(self.rows)
-        on_host = any(isinstance(self.episodes[e].kv, _HostKV) for e, _ in group)
+        on_host = any(isinstance(self.episodes[e].kv, HostKV) for e, _ in group)
         with self._timed(on_host):                               # offloaded caches come back host -> arena
             for i, (eid, budget) in enumerate(group):
                 ep = self.episodes[eid]
                 dst = self.arena[:, :, r0 + i, :, :ep.n_cached]  # (layers, 2, Hkv, n, D) view
-                if isinstance(ep.kv, _HostKV):
+                if isinstance(ep.kv, HostKV):
                     self._reload(ep.kv, dst)
                     self.stats["kv_reloaded_tokens"] += ep.n_cached
                 elif ep.kv is not None:
@@ -600,37 +548,15 @@ class Engine:
         self.stats["kv_peak_resident_gib"] = max(self.stats["kv_peak_resident_gib"], n / 2 ** 30)
         return n
 
-    def _host(self, kv: torch.Tensor) -> _HostKV:
-        """Offload: copy kv (layers, 2, Hkv, n, D), any strides, into blocks of the host pool (pinned on CUDA:
-        fixed power-of-two blocks, so the pinned allocator's rounding wastes nothing; see above `Engine`).
-
-        One layer (2, Hkv, n, D) at a time is made contiguous on kv's device and copied asynchronously into
-        consecutive block bytes; the caller's `_timed` waits for the copies. On a CPU engine the blocks are plain
-        tensors and the same code runs synchronously."""
-        h = _HostKV(self._pool.take(kv.numel() * kv.element_size()), kv.shape, kv.dtype)
-        layer = kv[0].numel() * kv.element_size()                             # bytes of (2, Hkv, n, D)
-        for l in range(kv.shape[0]):
-            src = kv[l].contiguous().view(-1).view(torch.uint8)               # (layer,) bytes
-            for blk, a, k in self._pool.pieces(h.blocks, l * layer, layer):
-                blk.copy_(src[a:a + k], non_blocking=True)
+    def _host(self, kv: torch.Tensor) -> HostKV:
+        """Offload kv (layers, 2, Hkv, n, D) into the host pool; the caller's `_timed` waits for the copies."""
+        h = offload(self._pool, kv)
         self.stats["kv_host_gib"] = self._pool.allocated * self._pool.block / 2 ** 30
         self.stats["kv_host_alloc_s"] = self._pool.alloc_s
         return h
 
-    def _reload(self, h: _HostKV, dst: torch.Tensor) -> None:
-        """Copy an offloaded cache into dst (layers, 2, Hkv, n, D), e.g. an arena row, and give its blocks back.
-
-        A layer's bytes may straddle blocks, so each layer goes through a staging buffer (2, Hkv, n, D) on dst's
-        device (asynchronously from pinned blocks) and then into dst's strides. A strided cross-device `copy_`
-        stages through a temporary of the same size anyway. Blocks handed back while copies are in flight are
-        safe: the next writer is an offload on the same CUDA stream, or host code after a `_timed` sync."""
-        layer = h.shape[1:].numel() * h.dtype.itemsize
-        for l in range(h.shape[0]):
-            stage = torch.empty(layer, dtype=torch.uint8, device=dst.device)
-            for blk, a, k in self._pool.pieces(h.blocks, l * layer, layer):
-                stage[a:a + k].copy_(blk, non_blocking=True)
-            dst[l].copy_(stage.view(h.dtype).view(h.shape[1:]))
-        self._pool.give(h.blocks)
+    def _reload(self, h: HostKV, dst: torch.Tensor) -> None:
+        reload(self._pool, h, dst)
 
     @contextlib.contextmanager
     def _timed(self, on: bool = True):

@@ -111,6 +111,10 @@ class TrainConfig:
     rollout_engine: bool = True
     """sample rollouts with generate.Engine (per-episode KV cache reused across turns); off: the plain
     model.generate loop that re-encodes each conversation every turn"""
+    kv_budget_gib: float | None = None
+    """GPU memory for the rollout engine's KV caches; beyond it idle episodes' caches go to pinned host memory
+    (generate.Engine; None: no limit). paper: 40 (ours: an H200 keeps ~75 GB for weights, adapters and
+    optimizer state; 64 episodes of 16k tokens hold 96 GiB of KV at that shape)"""
     lora_rank: int = 8
     """LoRA rank of both adapters"""
     lora_alpha: float = 16.0
@@ -207,7 +211,7 @@ PRESETS = {
         lr_actor=3e-5, lr_rft=None, lr_critic=6e-5, lr_head=1e-4, kl_coef=0.0,  # ours: ~10x the paper's rates
         batch_size=1024, micro_batch_size=1, ppo_epochs=1, num_minibatches=1,  # "one update per batch"
         lam=0.95, warmup_steps=50, rft_rollouts=1024, rft_steps=200, rft_batch_size=64,  # ours (not stated)
-        value_pretrain_steps=50, agent_steps=150, checkpoint_every=1, sample_every=10),
+        value_pretrain_steps=50, agent_steps=150, checkpoint_every=1, sample_every=10, kv_budget_gib=40.0),
 }
 
 
@@ -373,7 +377,8 @@ def rollout(run: Run, n: int, demo_fraction: float, single_turn: bool, work_dir:
     if task_picks:
         run.model.set_adapter("actor")
         pol = policy.HFPolicy(run.model, run.tok, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                              seed=random.randrange(2 ** 31), engine=cfg.rollout_engine)  # fresh engine per update
+                              seed=random.randrange(2 ** 31), engine=cfg.rollout_engine,  # fresh engine per update
+                              kv_budget_gib=cfg.kv_budget_gib)
         out += env.run_episodes(pol, task_picks, run.pool, ecfg, tokenizer=run.tok)
     if demo_picks:
         scripts = {len(task_picks) + i: demo_script(files, single_turn) for i, (_, files) in enumerate(demo_picks)}

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from generate import Engine, _HostKV, episode_generator, plain_turn, sample_next
+from generate import Engine, HostKV, episode_generator, plain_turn, sample_next
 
 try:
     from policy import build_tiny_model_and_tokenizer
@@ -299,7 +299,7 @@ def test_kv_offload_host_blocks_reused_and_exact(model, monkeypatch):
     assert s["kv_offloaded_tokens"] * eng.kv_token_bytes > 2 * pool.allocated * block, s      # blocks were reused
     assert s["kv_host_gib"] == pool.allocated * block / 2 ** 30
 
-    e = next(e for e, ep in eng.episodes.items() if isinstance(ep.kv, _HostKV))
+    e = next(e for e, ep in eng.episodes.items() if isinstance(ep.kv, HostKV))
     hist = eng.history(e)
     edited = hist[:40] + [(hist[40] + 1) % V or 1] + hist[41:] + [17, 18]
     (_, ids, _, _), = eng.step_full([(e, edited, 6)])                    # cut to 40 tokens on the host, then fed
