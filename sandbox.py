@@ -24,7 +24,8 @@ Threat model. COVERED:
     compile cache key covers every file the compiler sees: kernels/, recursively, minus the other
     kernels' own sources (which are not copied into the compile).
   * Every call is checked. The job file and environment hold no seed, count or plan: the host sends each
-    request (a trial or a timed call, with its one seed) only after the previous one is answered. Every
+    request (a trial or a timed call, with its one seed) only after the previous one is answered (after a
+    timed call, together with that call's sketch keys; after a trial, before that trial is compared). Every
     timed call, warm-ups included, runs on fresh inputs under the dispatch guard, and its output is checked
     against the reference by random projections whose keys are sent only after the call returned
     (`sketch_close`): computing only on some calls, recognising inputs or caching by pointer or content
@@ -36,9 +37,9 @@ Threat model. COVERED:
     refuses frame, traceback and gc introspection, raw-memory ctypes, and patches of torch, numpy, clocks
     or the harness.
   * Host memory: messages are JSON with tensors as raw frames (nothing is unpickled); the host compares
-    each reply as it arrives, a chunk at a time, and keeps none of its tensors; a message over 2 x the
-    reference output (+16 MB) is refused from its header. Reference children send one seed's outputs
-    per message, so a child holds about one output on the host.
+    each reply as it arrives, a chunk at a time (on the check's GPU when it can: `compare_on`), and keeps
+    none of its tensors; a message over 2 x the reference output (+16 MB) is refused from its header.
+    Reference children send one seed's outputs per message, so a child holds about one output on the host.
   * Timing: clocks and the torch functions of the checks bound before candidate import; a device-wide
     sync around every timed call; NaN-filled free memory and an L2 flush before each; the child's clock
     must agree with the host's over the same spans. Baselines: eager and compiled in interleaved rounds,
