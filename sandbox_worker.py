@@ -18,6 +18,10 @@ the nonce arrives as the first control line, before any candidate code runs.
 It also exports the runtime helpers that a workspace's `model_new.py` uses (contract, form (b)):
     from sandbox_worker import load_kernel, ptr, stream
 
+One file on purpose, past the usual size: it is the only project file a child can see (the repository is
+hidden and this script alone is bound in at HARNESS_DIR), so nothing it runs may import another module of
+the project.
+
 Smoke: python -m pytest tests/test_sandbox.py -q -k honest
 """
 from __future__ import annotations
