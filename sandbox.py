@@ -4,8 +4,9 @@ Every reward in training and every number in evaluation comes from `check()`. Th
 imports candidate code: each compile, reference run and candidate run is its own child process
 (`python sandbox_worker.py JOBFILE`) inside bubblewrap, and the host compares the candidate's outputs
 with reference outputs that only the host holds. Candidate children are started ahead of time (warm
-spares: torch imported, CUDA up) and each serves exactly one candidate. Files: this one (what runs, the
-verdict, the spares), sandbox_child.py (isolation, the child and its channel), sandbox_build.py (kernel
+spares: torch imported, CUDA up) and each serves exactly one candidate; so is one reference child per GPU
+(torch.compile's modules imported too). Files: this one (what runs, the verdict), sandbox_child.py
+(isolation, the child and its channel, the spares), sandbox_build.py (kernel
 compiles, load_inline builds), sandbox_reference.py (reference children, seed pools, baselines),
 sandbox_rules.py (static scan, comparison), sandbox_worker.py (inside the child), workspace.py (reading
 untrusted files, validating task and solution files).
@@ -65,7 +66,9 @@ NOT COVERED (known gaps):
 Departures from the paper:
   1. The paper's sandbox is not public; this follows KernelBench's and other public harnesses' known hacks.
   2. Kernels (form b) compile per file to plain shared objects via ctypes (no torch headers), so an edit
-     rebuilds one kernel in ~1 s instead of `load_inline`'s ~55 s.
+     rebuilds one kernel in ~1 s instead of `load_inline`'s ~47 s. Form (a) `load_inline` sources build
+     against a slim stand-in for <torch/extension.h> first (sandbox_worker.SLIM_TORCH_H; ~17 s on an H200
+     host), against torch's own headers when that fails; the verdict is the same either way.
   3. Reference outputs are always strict fp32; `precision` only affects the timed baselines/candidate.
   4. One reference child serves up to REF_POOL_MAX_USES checks of a task: it computes outputs (trials) and
      sketches (timed calls) for a pool of host-random seeds, and each check draws its own subset. Safe
@@ -78,7 +81,6 @@ Full (H200): python -m pytest tests/test_sandbox.py tests/test_sandbox_gpu.py -q
 """
 from __future__ import annotations
 
-import atexit
 import concurrent.futures as cf
 import contextlib
 import dataclasses
@@ -93,10 +95,11 @@ from dataclasses import dataclass, field
 import sandbox_worker
 import workspace
 from sandbox_build import build_inline, compile_workspace, copy_build, trim_log  # noqa: F401
-from sandbox_child import (HARNESS_DIR, Child, ChildResult, SandboxError, bwrap_argv,  # noqa: F401
-                           hidden, hidden_candidate, interruptible, isolation, last_line, new_jobdir, require_device, run_child)
-from sandbox_reference import (BASELINE_TIMING, baseline_cache, baseline_entry, baselines, device_name, precision_of,  # noqa: F401
-                               prewarm, reference_pool, retime, run_reference)
+from sandbox_child import (HARNESS_DIR, Child, ChildResult, SandboxError, Spares, bwrap_argv,  # noqa: F401
+                           hidden, hidden_candidate, interruptible, isolation, last_line, new_jobdir, require_device,
+                           run_child, warm_spares)
+from sandbox_reference import (BASELINE_TIMING, REF_SPARES, ref_spare, baseline_cache, baseline_entry,  # noqa: F401
+                               baselines, device_name, precision_of, prewarm, reference_pool, retime, run_reference)
 from sandbox_rules import compare, sketch_close, static_scan
 from workspace import TaskError, WorkspaceError, looks_like_path, python_error, read_file, read_task  # noqa: F401
 
@@ -282,6 +285,17 @@ def _prepare(form: str, sol, cfg: SandboxConfig, v: Verdict, compile_gate, wdir:
     if v.violation:
         v.stage = "verify"
         return None
+    if form == "a":  # load_inline: built once per source by a child that sees no input; a private copy runs
+        v.stage = "compile"
+        t_build = time.perf_counter()
+        with compile_gate():
+            ext, err = build_inline(path, wdir, cfg)
+        v.timings["build_s"] = round(time.perf_counter() - t_build, 3)  # ~0 when this source was built before
+        if err:
+            v.compiled, v.compile_log = False, trim_log(err, False)
+            v.error = "compile failed: " + (last_line(v.compile_log.split("\n")[0]) or "see compile_log")
+            return None
+        copy_build(ext, os.path.join(wdir, "ext"))
     return path
 
 
@@ -291,20 +305,24 @@ def _run_check(src: str, solution: str, cfg: SandboxConfig, v: Verdict, compile_
     try:
         wdir = os.path.join(jobdir, "w")
         os.makedirs(wdir)
+        with open(os.path.join(wdir, "task.py"), "w") as f:
+            f.write(src)
         cand = _prepare(form, sol, cfg, v, compile_gate, wdir)
         if cand is None:
             return
-        with open(os.path.join(wdir, "task.py"), "w") as f:
-            f.write(src)
         with device_gate() as gpu:
             dev = device_name(cfg.device, gpu)
             key = f"{hashlib.sha256(src.encode()).hexdigest()}|{dev}|{v.precision}"
             base = baseline_cache(cfg, key) if cfg.profile else None
             base = base if base and base.get("timing") == BASELINE_TIMING else None  # older entries: re-timed
+            if warm_spares(cfg) > 0:  # spares start while the reference runs (first check)
+                _SPARES.fill(*_spare_kind(cfg, gpu, hidden_candidate(cfg, sol if form == "b" else None)))
             t_ref = time.perf_counter()
             ref, plan = reference_pool(src, cfg, cfg.profile and base is None, gpu, dev)
             t_cand = time.perf_counter()
             v.device = ref["device_name"]
+            if "phase_s" in ref:  # this check ran the reference child (not a pooled one)
+                v.timings["reference_phases"] = ref["phase_s"]
             if cfg.profile and base is None:
                 base = baseline_cache(cfg, key, baseline_entry(ref, v.precision, v.device))
             import torch
@@ -319,72 +337,24 @@ def _run_check(src: str, solution: str, cfg: SandboxConfig, v: Verdict, compile_
         shutil.rmtree(jobdir, ignore_errors=True)
 
 
-def warm_spares(cfg: SandboxConfig) -> int:
-    """Spares per device slot: a spare's start-up (3-5 s on an H200 while others start too) over a check's
-    time (~1.3 s) needs several in flight on a GPU (with 4, one check in five waited 1-5 s for its spare;
-    docs/RESULTS.md); each holds a CUDA context on its GPU. On a CPU every spare's start competes with the check
-    being timed."""
-    return cfg.warm_spares if cfg.warm_spares >= 0 else 8 if cfg.device == "cuda" else 0
 
 
-class _Spares:
-    """Warm candidate children (sandbox_child.Child with no job yet), `warm_spares` per device slot. `take`
-    hands one out and starts its replacement in the background, so a check finds the child's start-up
-    (interpreter, torch, CUDA, the checks' one-time costs) already done. Spares are keyed by what they hide
-    and their limits: one started for another workspace's parent is killed, never reused."""
-
-    def __init__(self):
-        self._lock, self._ready, self._pending = threading.Lock(), {}, {}  # slot (device, gpu) -> [(key, Child)]
-        self.last_error: str | None = None  # why the last spare could not be used (diagnostics)
-        # Spares are started from one thread that lives as long as the process: bwrap --die-with-parent
-        # (PR_SET_PDEATHSIG) kills a child when the *thread* that started it exits, so a spare started from
-        # a short-lived thread died (SIGKILL) as soon as that thread returned.
-        self._spawner = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sandbox-spares")
-        atexit.register(self.close)
-
-    def take(self, key: tuple, n: int, spawn) -> tuple[Child, bool]:
-        """(a child for this key, whether it was already started: False when none was ready)."""
-        slot, stale, child = key[:2], [], None
-        with self._lock:
-            ready = self._ready.setdefault(slot, [])
-            while ready and child is None:
-                k, c = ready.pop(0)
-                child, stale = (c, stale) if k == key and c.alive() else (None, stale + [c])
-                if k == key and child is None:
-                    self.last_error = f"a spare died before its job (exit code {c.proc.poll()})"
-            missing = n - sum(k == key for k, _ in ready) - self._pending.get(slot, 0)
-            self._pending[slot] = self._pending.get(slot, 0) + max(missing, 0)
-        for c in stale:
-            self._discard(c)
-        for _ in range(missing):
-            self._spawner.submit(self._refill, slot, key, spawn)
-        return child if child is not None else spawn(), child is not None
-
-    def _refill(self, slot, key, spawn):
-        c = None
-        try:
-            c = spawn()
-        except Exception as e:  # noqa: BLE001 - a spare that cannot start is started again, cold, at `take`
-            self.last_error = f"{type(e).__name__}: {e}"
-        with self._lock:
-            self._pending[slot] -= 1
-            if c is not None:
-                self._ready.setdefault(slot, []).append((key, c))
-
-    @staticmethod
-    def _discard(c: Child):
-        c.kill()
-        shutil.rmtree(c.jobdir, ignore_errors=True)
-
-    def close(self):
-        with self._lock:
-            children = [c for ready in self._ready.values() for _, c in ready]
-            self._ready.clear()
-        for c in children:
-            self._discard(c)
+_SPARES = Spares()  # candidate children
 
 
-_SPARES = _Spares()
+def start_spares(cfg: SandboxConfig, gpus: list) -> None:
+    """Start every device slot's warm children now, in the background (candidate spares and a reference
+    child), so that even the first check of a trainer or an evaluation finds them ready."""
+    if warm_spares(cfg) > 0:
+        for gpu in gpus:
+            _SPARES.fill(*_spare_kind(cfg, gpu, hidden_candidate(cfg)))
+            REF_SPARES.fill(*ref_spare(cfg, gpu))
+
+
+def _spare_kind(cfg, gpu, hide) -> tuple:
+    """(key, count, spawn) of the warm spares a candidate of this check can use."""
+    return ((cfg.device, gpu, cfg.mem_limit_mb, hide, isolation()), warm_spares(cfg),
+            lambda: Child(new_jobdir(), device=cfg.device, mem_limit_mb=cfg.mem_limit_mb, gpu=gpu, hide=hide))
 
 
 def _run_candidate(form, cand, wdir, jobdir, ref, plan, cfg, gpu, ws) -> tuple[ChildResult, dict]:
@@ -392,21 +362,11 @@ def _run_candidate(form, cand, wdir, jobdir, ref, plan, cfg, gpu, ws) -> tuple[C
 
     Returns the child's result and what the host saw: per-trial comparisons, the profiler's op list, and
     per timed call the child's time, the host's wall time of the same span and the sketch comparison."""
-    writable, env, timeout = [], {}, cfg.run_timeout_s
-    if form == "a":  # load_inline: built once per source with no input in sight, then run from a private copy
-        ext = build_inline(cand, wdir, cfg, gpu)
-        mine = os.path.join(jobdir, "ext")
-        copy_build(ext, mine)
-        if isolation() == "bwrap":  # the copy appears at the cache's path, so ninja finds the build up to date
-            writable, env = [(mine, ext)], {"TORCH_EXTENSIONS_DIR": ext}
-        else:
-            writable, env = [mine], {"TORCH_EXTENSIONS_DIR": mine}
-        timeout += cfg.compile_timeout_s  # a build that happens at the first forward
+    timeout = cfg.run_timeout_s + (cfg.compile_timeout_s if form == "a" else 0)  # load_inline args that differ
+    # from the build's build again in the candidate child
     child, warm, hide, spares = None, False, hidden_candidate(cfg, ws), warm_spares(cfg)
-    if form == "b" and spares > 0:  # a warm child: move the prepared files into its own job dir
-        child, warm = _SPARES.take((cfg.device, gpu, cfg.mem_limit_mb, hide, isolation()), spares,
-                             lambda: Child(new_jobdir(), device=cfg.device, mem_limit_mb=cfg.mem_limit_mb, gpu=gpu,
-                                           hide=hide))
+    if spares > 0:  # a warm child: move the prepared files into its own job dir
+        child, warm = _SPARES.take(*_spare_kind(cfg, gpu, hide))
         for name in os.listdir(wdir):
             if name != "job.json":
                 os.rename(os.path.join(wdir, name), os.path.join(child.wdir, name))
@@ -418,7 +378,8 @@ def _run_candidate(form, cand, wdir, jobdir, ref, plan, cfg, gpu, ws) -> tuple[C
     # No seed, count or plan in the job: the host sends each request when the previous one is answered.
     job = {"kind": "candidate", "task_path": os.path.join(wdir, "task.py"), "cand_path": cand, "cand_dir": wdir,
            "device": cfg.device, "init_seed": cfg.seed, "kernels": kernels,
-           "state_dict_path": os.path.join(wdir, "state_dict.pt"), "precision": precision_of(cfg)}
+           "state_dict_path": os.path.join(wdir, "state_dict.pt"), "precision": precision_of(cfg),
+           "ext_dir": os.path.join(wdir, "ext") if form == "a" else None}
     seen = {"trials": [], "ops": None, "calls": [], "bad": None, "i": 0, "sent_at": 0.0, "warm_child": warm}
     out_bytes = sum(t.numel() * t.element_size() for t in next(iter(ref["outputs"].values())))
 
@@ -472,7 +433,7 @@ def _run_candidate(form, cand, wdir, jobdir, ref, plan, cfg, gpu, ws) -> tuple[C
             send(control, {"op": "done"})
     if child is None:
         r = run_child(job, jobdir, device=cfg.device, timeout_s=timeout, mem_limit_mb=cfg.mem_limit_mb, gpu=gpu,
-                      writable=tuple(writable), hide=hide, env=env, on_msg=on_msg,
+                      hide=hide, on_msg=on_msg,
                       max_msg_mb=(2 * out_bytes >> 20) + 16)
         return r, seen
     try:
@@ -610,6 +571,7 @@ class SandboxPool:
             self._free.put(s)
         n = compile_workers or os.cpu_count() or 1
         self._compile_sem = threading.Semaphore(n)
+        start_spares(cfg, slots)
         self._ex = cf.ThreadPoolExecutor(max_workers=len(slots) + n, thread_name_prefix="sandbox")
 
     @contextlib.contextmanager

@@ -138,40 +138,53 @@ def compile_workspace(ws: str, cfg: SandboxConfig, workers: int | None = None) -
     return ok, log, {n: r[2] for (n, _), r in zip(names, results) if r[2]}
 
 
-def build_inline(cand: str, wdir: str, cfg: SandboxConfig, gpu) -> str:
-    """The load_inline build dir of this source (cache_dir/torch_ext/<sha>), built if it is not yet.
+def build_inline(cand: str, wdir: str, cfg: SandboxConfig) -> tuple[str, str | None]:
+    """(build dir of this source: cache_dir/torch_ext/<sha>, the compile error or None), built if needed.
 
-    The build child imports the solution and constructs ModelNew, with the build dir writable and no input,
-    seed or reference anywhere in reach. Candidate children only ever get a private copy of it, so nothing
-    a checked run writes there survives into another check (no stash of answers across checks)."""
+    The build child imports the solution and constructs ModelNew with only the build dir writable and no
+    input, seed or reference in reach; its load_inline is the worker's (`_install_inline_loader`: a slim
+    torch header first, torch's own if that fails). Candidate children get a private copy of the dir, so
+    nothing a checked run writes there survives into another check (no stash of answers across checks)."""
     with open(cand) as f:
         src = f.read()
     ext = os.path.join(os.path.expanduser(cfg.cache_dir), "torch_ext", hashlib.sha256(src.encode()).hexdigest()[:16])
     os.makedirs(ext, exist_ok=True)
     if os.path.exists(os.path.join(ext, ".built")):
-        return ext
+        return ext, None
+    failed = os.path.join(os.path.dirname(ext), f"{os.path.basename(ext)}.failed")
+    if os.path.exists(failed):  # the same source failed to compile before: the same error, at once
+        with open(failed) as f:
+            return ext, f.read()
     jobdir = new_jobdir()
     try:
         bdir = os.path.join(jobdir, "w")
         os.makedirs(bdir)
         shutil.copy(cand, os.path.join(bdir, "solution.py"))
         shutil.copy(os.path.join(wdir, "task.py"), os.path.join(bdir, "task.py"))
-        job = {"kind": "build", "cand_path": os.path.join(bdir, "solution.py"), "cand_dir": bdir,
+        job = {"kind": "build", "cand_path": os.path.join(bdir, "solution.py"), "cand_dir": bdir, "ext_dir": ext,
                "task_path": os.path.join(bdir, "task.py"), "init_seed": cfg.seed, "device": cfg.device}
         r = run_child(job, jobdir, device=cfg.device, timeout_s=cfg.compile_timeout_s + 60,
-                      mem_limit_mb=cfg.mem_limit_mb, gpu=gpu, writable=(ext,), hide=hidden(cfg),
+                      mem_limit_mb=cfg.mem_limit_mb, writable=(ext,), hide=hidden(cfg),
                       env={"TORCH_EXTENSIONS_DIR": ext})
     finally:
         shutil.rmtree(jobdir, ignore_errors=True)
-    if r.result is not None and r.result.get("built"):
+    res = r.result or {}
+    if res.get("built"):
         with open(os.path.join(ext, ".built"), "w") as f:
             f.write("ok")
-    return ext  # a failed build is reported by the candidate child, which builds again in its copy
+        return ext, None
+    err = res.get("error") or ""
+    if "Error building extension" in err:  # a compile error: remembered for this source
+        shutil.rmtree(ext, ignore_errors=True)
+        with open(failed, "w") as f:
+            f.write(err)
+        return ext, err
+    if r.error and not res:  # the build child timed out or ran out of memory
+        shutil.rmtree(ext, ignore_errors=True)
+        return ext, f"load_inline build {r.error}"
+    return ext, None  # an import or __init__ error: the candidate child reports it, as a verdict
 
 
 def copy_build(src: str, dst: str):
-    """Copy a build dir (written by candidate code: links and special files are refused), keeping mtimes so
-    that ninja sees the objects as up to date."""
-    for rel in workspace.copy_tree(src, dst, ignore_suffixes=(), file_cap=1 << 30, total_cap=2 << 30):
-        st = os.lstat(os.path.join(src, rel))
-        os.utime(os.path.join(dst, rel), ns=(st.st_atime_ns, st.st_mtime_ns))
+    """Copy a build dir (written by candidate code at import: links and special files are refused)."""
+    workspace.copy_tree(src, dst, ignore_suffixes=(".o",), file_cap=1 << 30, total_cap=2 << 30)

@@ -10,7 +10,9 @@ Smoke: python -m pytest tests/test_sandbox.py -q -k "probe or start or isolation
 from __future__ import annotations
 
 import atexit
+import concurrent.futures as cf
 import contextlib
+import fcntl
 import json
 import math
 import os
@@ -238,7 +240,7 @@ def _reader(fd: int, nonce: bytes, out: list, on_msg, state: dict, max_msgs: int
                 view = view[n:]
             return True
 
-        def frame(limit: int) -> int | None:  # the next frame's length, or None at EOF / a bad frame
+        def frame(limit: int | None) -> int | None:  # the next frame's length, or None at EOF / a bad frame
             head = bytearray(24)
             if not read_into(memoryview(head)):
                 return None
@@ -246,15 +248,18 @@ def _reader(fd: int, nonce: bytes, out: list, on_msg, state: dict, max_msgs: int
                 state["corrupt"] = "bad frame on the result channel"
                 return None
             n = struct.unpack(">Q", head[16:])[0]
+            if limit is None:  # a message's first frame: the limit as it is now (a warm child gets its job's
+                limit = state["max_msg_bytes"]  # limit while this thread already waits for that frame)
             if n > limit:  # the host's memory is not the candidate's to fill
-                state["corrupt"] = f"a result message of {n >> 20} MB exceeds the {max_msg_bytes >> 20} MB limit"
+                cap = state["max_msg_bytes"] >> 20
+                state["corrupt"] = f"a result message of {n >> 20} MB exceeds the {cap} MB limit"
                 return None
             return n
         for _ in range(max_msgs):
-            max_msg_bytes = state["max_msg_bytes"]
-            n = frame(max_msg_bytes)
+            n = frame(None)
             if n is None:
                 return
+            max_msg_bytes = state["max_msg_bytes"]
             body = bytearray(n)
             try:
                 assert read_into(memoryview(body))
@@ -348,7 +353,7 @@ class Child:
 
     def __init__(self, jobdir: str, *, device: str, mem_limit_mb: int, gpu: int | None = None, writable: tuple = (),
                  hide: tuple = (), env: dict | None = None, cmd: list[str] | None = None, max_msg_mb: int = 64,
-                 job: dict | None = None, on_msg=None):
+                 job: dict | None = None, on_msg=None, warm_for: str = "candidate"):
         self.jobdir, self.device, self.mem_limit_mb, self.on_msg = jobdir, device, mem_limit_mb, on_msg
         self.wdir = os.path.join(jobdir, "w")
         os.makedirs(self.wdir, exist_ok=True)
@@ -356,8 +361,11 @@ class Child:
         nonce = secrets.token_bytes(16)
         rfd, wfd = os.pipe()
         crfd, cwfd = os.pipe()
+        with contextlib.suppress(OSError):  # 1 MiB instead of 64 KiB: a 64 MB output in 64 wake-ups, not 1,024
+            fcntl.fcntl(wfd, fcntl.F_SETPIPE_SZ, 1 << 20)
         with open(os.path.join(self.wdir, "job.json"), "w") as f:  # no seed, plan or nonce: fds and kind only
-            json.dump({**(job or {"kind": "warm", "device": device}), "result_fd": wfd, "control_fd": crfd}, f)
+            json.dump({**(job or {"kind": "warm", "device": device, "for": warm_for}), "result_fd": wfd,
+                       "control_fd": crfd}, f)
         child_env = {k: os.environ[k] for k in PASS_ENV if k in os.environ}
         child_env.update({"HOME": self.wdir, "TMPDIR": "/tmp" if isolation() == "bwrap" else self.wdir,
                           "PYTHONDONTWRITEBYTECODE": "1", **(env or {})})
@@ -450,6 +458,87 @@ class Child:
         if why is None and result is None and self.is_worker:
             why = _death_reason(rc, stderr)
         return ChildResult(result if why is None else None, msgs, why, stage, stdout, stderr, rc, self.t_started)
+
+
+def warm_spares(cfg) -> int:
+    """Spares per device slot: a spare's start-up (3-5 s on an H200 while others start too) over a check's
+    time (~1.3 s) needs several in flight on a GPU (with 4, one check in five waited 1-5 s for its spare;
+    docs/RESULTS.md); each holds a CUDA context on its GPU. On a CPU every spare's start competes with the check
+    being timed."""
+    return cfg.warm_spares if cfg.warm_spares >= 0 else 8 if cfg.device == "cuda" else 0
+
+
+class Spares:
+    """Warm candidate children (sandbox_child.Child with no job yet), `warm_spares` per device slot. `take`
+    hands one out and starts its replacement in the background, so a check finds the child's start-up
+    (interpreter, torch, CUDA, the checks' one-time costs) already done. Spares are keyed by what they hide
+    and their limits: one started for another workspace's parent is killed, never reused."""
+
+    def __init__(self):
+        self._lock, self._ready, self._pending = threading.Lock(), {}, {}  # slot (device, gpu) -> [(key, Child)]
+        self.last_error: str | None = None  # why the last spare could not be used (diagnostics)
+        # Spares are started from one thread that lives as long as the process: bwrap --die-with-parent
+        # (PR_SET_PDEATHSIG) kills a child when the *thread* that started it exits, so a spare started from
+        # a short-lived thread died (SIGKILL) as soon as that thread returned.
+        self._spawner = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sandbox-spares")
+        atexit.register(self.close)
+
+    def take(self, key: tuple, n: int, spawn) -> tuple[Child, bool]:
+        """(a child for this key, whether it was already started: False when none was ready)."""
+        return self._take_or_fill(key, n, spawn, take=True)
+
+    def fill(self, key: tuple, n: int, spawn):
+        """Start spares up to `n` for this key without taking one: a check calls it before its reference
+        run, so that even the first check of a process finds a warm child."""
+        self._take_or_fill(key, n, spawn, take=False)
+
+    def _take_or_fill(self, key: tuple, n: int, spawn, take: bool):
+        slot, stale, child = key[:2], [], None
+        with self._lock:
+            ready = self._ready.setdefault(slot, [])
+            keep = []
+            while ready:
+                k, c = ready.pop(0)
+                if k != key or not c.alive():
+                    stale.append(c)
+                    if k == key:
+                        self.last_error = f"a spare died before its job (exit code {c.proc.poll()})"
+                elif take and child is None:
+                    child = c
+                else:
+                    keep.append((k, c))
+            ready[:] = keep
+            missing = n - len(keep) - self._pending.get(slot, 0)
+            self._pending[slot] = self._pending.get(slot, 0) + max(missing, 0)
+        for c in stale:
+            self._discard(c)
+        for _ in range(missing):
+            self._spawner.submit(self._refill, slot, key, spawn)
+        if take:
+            return child if child is not None else spawn(), child is not None
+
+    def _refill(self, slot, key, spawn):
+        c = None
+        try:
+            c = spawn()
+        except Exception as e:  # noqa: BLE001 - a spare that cannot start is started again, cold, at `take`
+            self.last_error = f"{type(e).__name__}: {e}"
+        with self._lock:
+            self._pending[slot] -= 1
+            if c is not None:
+                self._ready.setdefault(slot, []).append((key, c))
+
+    @staticmethod
+    def _discard(c: Child):
+        c.kill()
+        shutil.rmtree(c.jobdir, ignore_errors=True)
+
+    def close(self):
+        with self._lock:
+            children = [c for ready in self._ready.values() for _, c in ready]
+            self._ready.clear()
+        for c in children:
+            self._discard(c)
 
 
 def run_child(job: dict, jobdir: str, *, device: str, timeout_s: float, mem_limit_mb: int, gpu: int | None = None,

@@ -18,7 +18,7 @@ import threading
 from typing import TYPE_CHECKING
 
 import sandbox_worker
-from sandbox_child import new_jobdir, run_child, visible_devices
+from sandbox_child import Child, Spares, isolation, new_jobdir, run_child, visible_devices, warm_spares
 from workspace import TaskError, read_task
 
 if TYPE_CHECKING:
@@ -77,18 +77,34 @@ def baseline_cache(cfg: SandboxConfig, key: str, value: dict | None = None) -> d
     return value
 
 
+REF_SPARES = Spares()  # warm reference children: torch, CUDA and torch.compile's modules already imported
+
+
+def ref_spare(cfg: SandboxConfig, gpu) -> tuple:
+    """(key, count, spawn) of the warm reference children of this config and device slot: one each, since
+    a reference child serves up to REF_POOL_MAX_USES checks of a task. Each holds a CUDA context."""
+    inductor = os.path.join(os.path.expanduser(cfg.cache_dir), "inductor")
+
+    def spawn() -> Child:
+        os.makedirs(inductor, exist_ok=True)  # bound writable into the child: it must exist first
+        return Child(new_jobdir(), device=cfg.device, mem_limit_mb=cfg.mem_limit_mb, gpu=gpu, writable=(inductor,),
+                     env={"TORCHINDUCTOR_CACHE_DIR": inductor}, warm_for="reference")
+    return (cfg.device, gpu, cfg.mem_limit_mb, inductor, isolation()), min(1, warm_spares(cfg)), spawn
+
+
 def run_reference(task_src: str, cfg: SandboxConfig, seeds: list[int], want_baselines: bool,
                gpu: int | None = None, warm: bool = False, sketch_seeds: dict | None = None) -> dict:
     """Run the reference child; returns its result dict or raises TaskError. `warm`: only compile (prewarm).
     `seeds` get full outputs, `sketch_seeds` ({seed: projection keys}) get sketches only."""
-    jobdir = new_jobdir()
+    inductor = os.path.join(os.path.expanduser(cfg.cache_dir), "inductor")
+    os.makedirs(inductor, exist_ok=True)
+    child = None if warm or warm_spares(cfg) == 0 else REF_SPARES.take(*ref_spare(cfg, gpu))[0]
+    jobdir = child.jobdir if child else new_jobdir()
     try:
         wdir = os.path.join(jobdir, "w")
-        os.makedirs(wdir)
+        os.makedirs(wdir, exist_ok=True)
         with open(os.path.join(wdir, "task.py"), "w") as f:
             f.write(task_src)
-        inductor = os.path.join(os.path.expanduser(cfg.cache_dir), "inductor")
-        os.makedirs(inductor, exist_ok=True)
         job = {"kind": "reference", "task_path": os.path.join(wdir, "task.py"), "device": cfg.device,
                "seeds": seeds, "sketch_seeds": {str(s): k for s, k in (sketch_seeds or {}).items()},
                "timing_seed": secrets.randbelow(2**31), "init_seed": cfg.seed,
@@ -102,9 +118,12 @@ def run_reference(task_src: str, cfg: SandboxConfig, seeds: list[int], want_base
         def on_msg(msg, control):  # outputs arrive one seed at a time
             if msg.get("type") == "ref_out":
                 outputs[int(msg["seed"])] = msg["outs"]
-        r = run_child(job, jobdir, device=cfg.device, timeout_s=cfg.run_timeout_s + (cfg.compile_timeout_s if
-                      want_baselines or warm else 0), mem_limit_mb=cfg.mem_limit_mb, gpu=gpu, writable=(inductor,),
-                      env=env, on_msg=on_msg, max_msg_mb=2 * cfg.mem_limit_mb + 256)
+        timeout = cfg.run_timeout_s + (cfg.compile_timeout_s if want_baselines or warm else 0)
+        if child:
+            r = child.run(job, timeout, on_msg, max_msg_mb=2 * cfg.mem_limit_mb + 256)
+        else:
+            r = run_child(job, jobdir, device=cfg.device, timeout_s=timeout, mem_limit_mb=cfg.mem_limit_mb, gpu=gpu,
+                          writable=(inductor,), env=env, on_msg=on_msg, max_msg_mb=2 * cfg.mem_limit_mb + 256)
     finally:
         shutil.rmtree(jobdir, ignore_errors=True)
     if r.result is None:
@@ -217,7 +236,8 @@ def reference_pool(src: str, cfg: SandboxConfig, want_baselines: bool, gpu, dev:
         mb = sum(t.numel() * t.element_size() for outs in ref["outputs"].values() for t in outs) / 2**20
         if REF_POOL_MAX_USES > 0 and mb <= REF_POOL_MAX_MB:
             with _REF_LOCK:
-                _REF_POOLS[key] = {"ref": {k: v for k, v in ref.items() if k != "baselines"}, "uses": 1, "mb": mb}
+                kept = {k: v for k, v in ref.items() if k not in ("baselines", "phase_s")}  # phase_s: this run's
+                _REF_POOLS[key] = {"ref": kept, "uses": 1, "mb": mb}
                 while len(_REF_POOLS) > 1 and sum(e["mb"] for e in _REF_POOLS.values()) > REF_POOL_TOTAL_MB:
                     _REF_POOLS.pop(next(iter(_REF_POOLS)))
     plan = [{"op": "trial", "seed": s} for s in rng.sample(sorted(ref["outputs"]), cfg.n_trials)] + [{"op": "ops"}]

@@ -17,6 +17,7 @@ GPU: python scripts/bench_guard.py --device cuda
 CPU: python scripts/bench_guard.py --device cpu --numel 1048576
 """
 import argparse
+import contextlib
 import ctypes
 import os
 import statistics
@@ -43,7 +44,7 @@ class Relu(torch.nn.Module):
         return y
 
 
-def build(device: str, cu: str = CU) -> ctypes.CDLL:
+def build(device: str, cu: str = CU, loader=ctypes.CDLL) -> ctypes.CDLL:
     d = tempfile.mkdtemp()
     src, so = os.path.join(d, "k.cu" if device == "cuda" else "k.cpp"), os.path.join(d, "k.so")
     with open(src, "w") as f:
@@ -51,7 +52,7 @@ def build(device: str, cu: str = CU) -> ctypes.CDLL:
     cmd = ["nvcc", "-O3", "-shared", "-Xcompiler", "-fPIC", "-arch=sm_90", "-o", so, src] if device == "cuda" else \
         ["g++", "-O3", "-shared", "-fPIC", "-fopenmp", "-o", so, src]
     subprocess.run(cmd, check=True)
-    lib = ctypes.CDLL(so)
+    lib = loader(so)
     lib.relu_forward.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
     return lib
 
@@ -72,8 +73,12 @@ def main():
     buf = torch.empty(a.numel, device=a.device)
     eager = torch.nn.ReLU()
 
-    def run(fn, fresh: str, scrub: bool, guarded: bool, sketched: bool, gap_s: float = 0.0, spin: bool = False) -> float:
-        times = []
+    def run(fn, fresh: str, scrub: bool, guarded: bool, sketched: bool, gap_s: float = 0.0, spin: bool = False,
+            split: dict | None = None) -> float:
+        """Median host ms of the timed span (forward + device-wide sync), as the sandbox measures it. `split`
+        also gets the medians of the span's two parts (until forward returns: the host's launch path; then
+        the sync) and of the GPU's own time between CUDA events around the forward."""
+        times, launch, gpu = [], [], []
         for i in range(a.iters + 10):
             if fresh == "alloc":
                 xs = w._make_inputs(task, i, a.device)
@@ -81,18 +86,24 @@ def main():
                 xs = [buf.copy_(w._make_inputs(task, i, a.device)[0])]
             else:
                 xs = [x.mul_(1.0)]
-            if guarded:
-                out, ms, viol = w._forward(fn, xs, guard_cls, a.device, clocks, timed=True)
-                assert viol is None, viol
+            if scrub:
+                w._scrub(a.device, clocks[1])
             else:
-                if scrub:
-                    w._scrub(a.device, clocks[1])
-                else:
-                    clocks[1]()
+                clocks[1]()
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if a.device == "cuda" else None
+            guard = guard_cls() if guarded else contextlib.nullcontext()
+            with torch.no_grad(), guard:
+                if ev:
+                    ev[0].record()
                 t0 = time.perf_counter()
                 out = fn(*xs)
+                t1 = time.perf_counter()
+                if ev:
+                    ev[1].record()
                 clocks[1]()
                 ms = (time.perf_counter() - t0) * 1e3
+            if guarded:
+                assert not guard.bad, guard.bad
             if sketched:
                 w.sketch([out], [1, 2, 3])
             if gap_s:
@@ -104,23 +115,38 @@ def main():
                 else:
                     time.sleep(gap_s)
             times.append(ms)
+            launch.append((t1 - t0) * 1e3)
+            if ev:
+                gpu.append(ev[0].elapsed_time(ev[1]))
+        if split is not None:
+            split["launch"] = statistics.median(launch[10:])
+            split["gpu"] = statistics.median(gpu[10:]) if gpu else float("nan")
         return statistics.median(times[10:])
     timer = w.Timer(task, a.device, 0)
-    res = {"eager (Timer)": statistics.median(timer.run(eager, 10, a.iters)),  # = eager (checked) now
-           "eager (checked)": run(eager, "alloc", True, False, True),
-           "plain": run(model, "", False, False, False),
-           "+ scrub": run(model, "", True, False, False),
-           "+ guard": run(model, "", True, True, False),
-           "fresh + scrub + guard": run(model, "alloc", True, True, False),
-           "checked": run(model, "alloc", True, True, True),
-           "checked, in place": run(model, "copy", True, True, True),
-           "checked, 3 ms gaps": run(model, "alloc", True, True, True, 0.003),
-           "checked, 3 ms gaps spinning": run(model, "alloc", True, True, True, 0.003, spin=True),
-           "eager (checked), 3 ms gaps": run(eager, "alloc", True, False, True, 0.003)}
+    res, splits = {"eager (Timer)": statistics.median(timer.run(eager, 10, a.iters))}, {}
+
+    def variant(name, *args, **kw):
+        splits[name] = {}
+        res[name] = run(*args, split=splits[name], **kw)
+    variant("eager (checked)", eager, "alloc", True, False, True)
+    variant("eager (checked), 3 ms gaps", eager, "alloc", True, False, True, 0.003)
+    kernels = [("", model)]
     if a.device == "cuda":
         vec = Relu(build(a.device, VEC_CU))
-        res["plain, float4 kernel"] = run(vec, "", False, False, False)
-        res["checked, float4 kernel"] = run(vec, "alloc", True, True, True)
+        kernels.append((", float4 kernel", vec))
+    for tag, m in kernels:
+        variant(f"plain{tag}", m, "", False, False, False)
+        variant(f"+ scrub{tag}", m, "", True, False, False)
+        variant(f"+ guard{tag}", m, "", True, True, False)
+        variant(f"fresh + scrub + guard{tag}", m, "alloc", True, True, False)
+        variant(f"checked{tag}", m, "alloc", True, True, True)
+        variant(f"checked without guard{tag}", m, "alloc", True, False, True)
+        variant(f"checked, in place{tag}", m, "copy", True, True, True)
+        variant(f"checked, 3 ms gaps{tag}", m, "alloc", True, True, True, 0.003)
+        variant(f"checked, 3 ms gaps spinning{tag}", m, "alloc", True, True, True, 0.003, spin=True)
+    if a.device == "cuda":  # the same call with the GIL held (ctypes.PyDLL): no release/re-acquire around it
+        held = Relu(build(a.device, VEC_CU, loader=ctypes.PyDLL))
+        variant("checked, float4 kernel, GIL held", held, "alloc", True, True, True)
     if a.device == "cuda":  # the kernels' own GPU time (events on the stream), without any host overhead
         for name, fn in (("kernel alone (events)", lambda: model.lib.relu_forward(w.ptr(x), w.ptr(y), x.numel(),
                                                                                   w.stream())),
@@ -137,9 +163,11 @@ def main():
             torch.cuda.synchronize()
             res[name] = statistics.median(e0.elapsed_time(e1) for e0, e1 in ev)
     dev = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
-    print(f"\n| variant ({dev}, {a.numel} floats, median of {a.iters}) | ms per call |\n|---|---|")
+    print(f"\n| variant ({dev}, {a.numel} floats, median of {a.iters}) | ms per call | until forward returns"
+          f" | GPU (events) |\n|---|---|---|---|")
     for name, ms in res.items():
-        print(f"| {name} | {ms:.4f} |")
+        sp = splits.get(name, {})
+        print(f"| {name} | {ms:.4f} | {sp.get('launch', float('nan')):.4f} | {sp.get('gpu', float('nan')):.4f} |")
     print(f"checked / eager (Timer) = {res['checked'] / res['eager (Timer)']:.2f}")
 
 
