@@ -85,6 +85,8 @@ class BenchConfig:
     """engine KV memory on the device (arena + idle caches); None: no limit"""
     kv_evict: str = "offload"
     """what happens to idle caches beyond the budget: offload (to host memory) | drop (re-prefilled later)"""
+    profile_steps: int = 0
+    """> 0: one extra turn of this many decode steps under torch.profiler (device time per kernel vs wall)"""
     seed: int = 0
     """seed for weights and workload"""
     out: str | None = None
@@ -167,6 +169,57 @@ def plain_turn_batch(model, convs, budgets, stop_ids, cfg, device):
         n = next((i + 1 for i, t in enumerate(row) if t in stop_ids), len(row))
         outs.append((row[:n], lp[:n]))
     return outs
+
+
+KERNEL_GROUPS = [   # (group, regex over kernel names), first match wins
+    ("attention (torch/cuDNN/flash)", r"fmha|attention|flash|sdpa|efficient|softmax"),
+    ("GEMM (cuBLAS/CUTLASS, incl. grouped)", r"gemm|nvjet|cutlass|sm90|xmma|grouped|splitK|gemv"),
+    ("sort/scatter/gather/index", r"sort|scatter|index|gather|radix|cub|histogram|histc|nonzero"),
+    ("other (elementwise, norms, copies)", r""),
+]
+
+
+def profile_decode(eng, episodes: list, steps: int, toks, device: str) -> dict:
+    """One more turn (a 1-token observation each, `steps` new tokens) under torch.profiler: device time per decode
+    step by kernel group and top kernels, against the host's wall time per step. With CUDA graphs on, a second
+    turn runs eagerly (graphs off) for comparison: the wall-time difference is launch overhead."""
+    import re
+
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    dev_t = lambda e: getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)  # noqa: E731
+    out = {}
+    modes = [("graphs", True), ("eager", False)] if eng.cuda_graphs else [("eager", False)]
+    for name, graphs in modes:
+        saved = eng.cuda_graphs
+        eng.cuda_graphs, eng._graph = graphs, None
+        reqs = [(e, toks(1), steps) for e in episodes]
+        sync(device)
+        with profile(activities=acts) as prof:
+            t0 = time.perf_counter()
+            outs = eng.step(reqs)
+            sync(device)
+            wall = time.perf_counter() - t0
+        eng.cuda_graphs, eng._graph = saved, None
+        n = max(len(o[1]) for o in outs)
+        kern = [e for e in prof.key_averages() if dev_t(e) > 0 and str(getattr(e, "device_type", "")).endswith("CUDA")]
+        kern.sort(key=dev_t, reverse=True)
+        total = sum(dev_t(e) for e in kern) / 1e3 / n                   # ms of device time per step
+        groups = {g: 0.0 for g, _ in KERNEL_GROUPS}
+        for e in kern:
+            groups[next(g for g, rx in KERNEL_GROUPS if re.search(rx, e.key, re.I))] += dev_t(e) / 1e3 / n
+        top = [(e.key[:80], dev_t(e) / 1e3 / n, e.count / n) for e in kern[:12]]
+        print(f"\n#### decode profile ({name}): {len(episodes)} rows, {n} steps (incl. the 1-token prefill step); "
+              f"wall {1e3 * wall / n:.2f} ms/step, kernels {total:.2f} ms/step")
+        print("| kernel group | ms/step |\n|---|---:|")
+        for g, ms in groups.items():
+            print(f"| {g} | {ms:.3f} |")
+        print("| top kernels | ms/step (launches/step) |\n|---|---:|")
+        for k, ms, c in top:
+            print(f"| `{k}` | {ms:.3f} ({c:.1f}) |")
+        out[name] = dict(rows=len(episodes), steps=n, wall_ms_per_step=1e3 * wall / n, device_ms_per_step=total,
+                         groups=groups, top=top)
+    return out
 
 
 def main(cfg: BenchConfig) -> int:
@@ -283,6 +336,11 @@ def main(cfg: BenchConfig) -> int:
           f"{s['kv_host_alloc_s']:.2f} |")
     if device == "cuda":
         print(f"| peak GPU memory allocated | {res['peak_mem_gb']:.1f} GiB |")
+    if cfg.profile_steps:
+        res["profile"] = profile_decode(eng, list(range(cfg.episodes)), cfg.profile_steps, toks, device)
+        if cfg.out:
+            with open(cfg.out, "w") as f:
+                json.dump(res, f, indent=1)
     return 0
 
 
