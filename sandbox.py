@@ -67,7 +67,7 @@ Departures from the paper:
   1. The paper's sandbox is not public; this follows KernelBench's and other public harnesses' known hacks.
   2. Kernels (form b) compile per file to plain shared objects via ctypes (no torch headers), so an edit
      rebuilds one kernel in ~1 s instead of `load_inline`'s ~47 s. Form (a) `load_inline` sources build
-     against a slim stand-in for <torch/extension.h> first (sandbox_worker.SLIM_TORCH_H; ~17 s on an H200
+     against a slim stand-in for <torch/extension.h> first (sandbox_inline.SLIM_TORCH_H; ~17 s on an H200
      host), against torch's own headers when that fails; the verdict is the same either way.
   3. Reference outputs are always strict fp32; `precision` only affects the timed baselines/candidate.
   4. One reference child serves up to REF_POOL_MAX_USES checks of a task: it computes outputs (trials) and

@@ -142,7 +142,7 @@ def build_inline(cand: str, wdir: str, cfg: SandboxConfig) -> tuple[str, str | N
     """(build dir of this source: cache_dir/torch_ext/<sha>, the compile error or None), built if needed.
 
     The build child imports the solution and constructs ModelNew with only the build dir writable and no
-    input, seed or reference in reach; its load_inline is the worker's (`_install_inline_loader`: a slim
+    input, seed or reference in reach; its load_inline is `sandbox_inline`'s (a slim
     torch header first, torch's own if that fails). Candidate children get a private copy of the dir, so
     nothing a checked run writes there survives into another check (no stash of answers across checks)."""
     with open(cand) as f:

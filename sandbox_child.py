@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import sandbox_worker
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_worker.py")
+INLINE = os.path.join(os.path.dirname(WORKER), "sandbox_inline.py")  # imported by the worker
 
 
 class SandboxError(Exception):
@@ -156,8 +157,9 @@ def bwrap_argv(cmd: list[str], wdir: str, device: str, writable: list, hide: lis
     if repo not in hidden and any(inside(repo, m) for m in masked):  # reference and call children import it
         args += ["--ro-bind", repo, repo]
     elif any(inside(os.path.realpath(WORKER), m) for m in masked):
+        for f in (WORKER, INLINE):  # the worker and the one module it imports, side by side
+            args += ["--ro-bind", os.path.realpath(f), os.path.join(HARNESS_DIR, os.path.basename(f))]
         shown = os.path.join(HARNESS_DIR, os.path.basename(WORKER))
-        args += ["--ro-bind", os.path.realpath(WORKER), shown]
         cmd = [shown if c == WORKER else c for c in cmd]
     for w in [wdir, *writable]:  # binds come last so that the tmpfs mounts above do not hide them
         src, dst = w if isinstance(w, tuple) else (w, w)  # (host dir, where the child sees it)

@@ -18,9 +18,9 @@ the nonce arrives as the first control line, before any candidate code runs.
 It also exports the runtime helpers that a workspace's `model_new.py` uses (contract, form (b)):
     from sandbox_worker import load_kernel, ptr, stream
 
-One file on purpose, past the usual size: it is the only project file a child can see (the repository is
-hidden and this script alone is bound in at HARNESS_DIR), so nothing it runs may import another module of
-the project.
+Past the usual size on purpose: with sandbox_inline.py (form (a)'s load_inline) it is the only project code
+a child can see (the repository is hidden and these two files alone are bound in at HARNESS_DIR), so nothing
+it runs may import another module of the project.
 
 Smoke: python -m pytest tests/test_sandbox.py -q -k honest
 """
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import hashlib
 import importlib.util
 import json
 import os
@@ -39,6 +38,8 @@ import sys
 import threading
 import time
 import traceback
+
+import sandbox_inline  # bound beside this file in the child (sandbox_child.HELPERS)
 
 # Bound before any candidate code is imported: a candidate that monkeypatches time.perf_counter or
 # torch.cuda.synchronize afterwards does not change what the harness measures with.
@@ -389,102 +390,6 @@ def _time_baselines(task, model, job: dict) -> dict:
     return res
 
 
-# ----------------------------------------------------------------------------- load_inline (form a)
-# A stand-in for <torch/extension.h> and <torch/types.h> that a load_inline build sees first (-I comes before
-# torch's -isystem dirs): the tensor class, factory functions, dispatch macros, the CUDA stream and, for C++,
-# the pybind11 bindings, without the rest of the C++ frontend (nn, optim, data, autograd, all of ATen's ops).
-# On an H200 host nvcc takes 14 s for a typical one-kernel source against it and 52 s against torch's header
-# (docs/RESULTS.md). A source that does not compile against it is built again with torch's own headers.
-SLIM_TORCH_H = r"""#pragma once
-#include <ATen/core/Tensor.h>
-#include <ATen/Dispatch.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
-#include <ATen/ops/empty_strided.h>
-#include <ATen/ops/zeros.h>
-#include <ATen/ops/zeros_like.h>
-#include <ATen/ops/ones.h>
-#include <ATen/ops/ones_like.h>
-#include <ATen/ops/full.h>
-#include <c10/util/Exception.h>
-#include <optional>
-#ifdef __CUDACC__
-#include <c10/cuda/CUDAStream.h>
-#include <c10/cuda/CUDAGuard.h>
-#else
-#include <torch/csrc/utils/pybind.h>
-#include <torch/csrc/Exceptions.h>
-#endif
-namespace torch {
-using namespace at;  // NOLINT
-using std::nullopt;
-using std::optional;
-using Dtype = at::ScalarType;
-constexpr auto kUInt8 = at::kByte;
-constexpr auto kInt8 = at::kChar;
-constexpr auto kInt16 = at::kShort;
-constexpr auto kInt32 = at::kInt;
-constexpr auto kInt64 = at::kLong;
-constexpr auto kFloat16 = at::kHalf;
-constexpr auto kFloat32 = at::kFloat;
-constexpr auto kFloat64 = at::kDouble;
-}  // namespace torch
-"""
-_INLINE_ARGS = ("functions", "extra_cflags", "extra_cuda_cflags", "extra_sycl_cflags", "extra_ldflags",
-                "extra_include_paths", "build_directory", "verbose", "with_cuda", "with_sycl", "is_python_module",
-                "with_pytorch_error_handling", "keep_intermediates", "use_pch", "no_implicit_headers")
-
-
-def _install_inline_loader(ext_dir: str):
-    """Replace torch.utils.cpp_extension.load_inline in this process by the sandbox's: each call is keyed by
-    its arguments under `ext_dir`. A build child (empty `ext_dir`) compiles against SLIM_TORCH_H first, then
-    against torch's headers if that fails, and records the module; a candidate child finds the record in its
-    private copy of `ext_dir` and imports the built module without a compiler."""
-    import torch.utils.cpp_extension as ce
-    real = ce.load_inline
-
-    def load_inline(name, cpp_sources, cuda_sources=None, *args, **kwargs):
-        kw = {**dict(zip(_INLINE_ARGS, args)), **kwargs}
-        if kw.get("build_directory") or not kw.get("is_python_module", True) or kw.get("sycl_sources"):
-            return real(name, cpp_sources, cuda_sources, **kw)  # forms this loader does not reproduce
-        blob = json.dumps([name, cpp_sources, cuda_sources, sorted(kw.items())], default=str)
-        home = os.path.join(ext_dir, hashlib.sha256(blob.encode()).hexdigest()[:16])
-        record = os.path.join(home, "built.json")
-        if os.path.isfile(record):  # built before, in the build child
-            with open(record) as f:
-                rec = json.load(f)
-            if rec.get("error"):
-                raise RuntimeError(rec["error"])
-            spec = importlib.util.spec_from_file_location(rec["module"], os.path.join(home, rec["so"]))
-            mod = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(mod)
-            return mod
-        slim = os.path.join(home, "slim_include")
-        for header in ("extension.h", "types.h"):
-            os.makedirs(os.path.join(slim, "torch"), exist_ok=True)
-            with open(os.path.join(slim, "torch", header), "w") as f:
-                f.write(SLIM_TORCH_H)
-        inc = [f"-I{slim}"]
-        tries = [("slim", {**kw, "extra_cflags": list(kw.get("extra_cflags") or []) + inc,
-                           "extra_cuda_cflags": list(kw.get("extra_cuda_cflags") or []) + inc}), ("full", kw)]
-        for i, (tag, args_) in enumerate(tries):
-            out = os.path.join(home, tag)
-            os.makedirs(out, exist_ok=True)
-            try:
-                mod = real(name, cpp_sources, cuda_sources, **{**args_, "build_directory": out})
-                break
-            except (RuntimeError, ImportError, OSError) as e:
-                if i == len(tries) - 1:
-                    with open(record, "w") as f:
-                        json.dump({"error": str(e)[-3000:]}, f)
-                    raise
-        with open(record, "w") as f:
-            json.dump({"module": mod.__name__, "so": os.path.relpath(mod.__file__, home), "headers": tag}, f)
-        return mod
-
-    ce.load_inline = load_inline
-
-
 # ----------------------------------------------------------------------------- job kinds
 def run_reference(job: dict, ch: Channel):
     """Full outputs for the trial seeds, sketches for the timing seeds (strict fp32), the state_dict, and
@@ -668,7 +573,7 @@ def run_candidate(job: dict, ch: Channel):
     snapshot = _snapshot()
     ch.send({"type": "stage", "stage": "load"})  # torch imported, CUDA up (timestamped by the host)
     if job.get("ext_dir"):  # form (a): load_inline imports what the build child built (a private copy)
-        _install_inline_loader(job["ext_dir"])
+        sandbox_inline.install(job["ext_dir"])
     try:
         model = _load_candidate(job, task, guard_cls)
     except PermissionError as e:
@@ -783,7 +688,7 @@ def run_build(job: dict, ch: Channel):
     """Import the solution and construct ModelNew once, so that load_inline builds into the shared build dir.
     No input, seed or reference exists in this process; errors are left to the candidate run to report."""
     import torch
-    _install_inline_loader(job["ext_dir"])
+    sandbox_inline.install(job["ext_dir"])
     try:
         task = _load_task(job["task_path"])
         sys.path.insert(0, job["cand_dir"])
