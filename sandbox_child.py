@@ -471,10 +471,11 @@ def warm_spares(cfg) -> int:
 
 
 class Spares:
-    """Warm candidate children (sandbox_child.Child with no job yet), `warm_spares` per device slot. `take`
-    hands one out and starts its replacement in the background, so a check finds the child's start-up
-    (interpreter, torch, CUDA, the checks' one-time costs) already done. Spares are keyed by what they hide
-    and their limits: one started for another workspace's parent is killed, never reused."""
+    """Warm children (Child with no job yet), up to `n` per device slot: one pool for candidate children
+    (sandbox.py), one for reference children (sandbox_reference.py). `take` hands one out and starts its
+    replacement in the background, so a check finds the child's start-up (interpreter, torch, CUDA, the
+    checks' one-time costs) already done. Spares are keyed by what they hide and their limits: one started
+    for another workspace's parent is killed, never reused."""
 
     def __init__(self):
         self._lock, self._ready, self._pending = threading.Lock(), {}, {}  # slot (device, gpu) -> [(key, Child)]
