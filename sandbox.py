@@ -32,8 +32,9 @@ Threat model. COVERED:
     (`sketch_close`): computing only on some calls, recognising inputs or caching by pointer or content
     gains nothing. Trials are compared in full: allclose AND relative L2 <= rtol, exact type, shape,
     dtype and device, finite where the reference is, inputs unmodified.
-  * No torch compute: (1) the dispatch guard on every forward, and on import and `__init__` with an
-    init allow-list (creation, init, scaling: nothing computed before the first input can be an answer);
+  * No torch compute: (1) the dispatch guard (sandbox_guard.cpp: a C++ dispatcher fallback that sees every
+    dispatched op, from Python or C++) on every forward, and on import and `__init__` with an init
+    allow-list (creation, init, scaling: nothing computed before the first input can be an answer);
     (2) the profiler's aten list, re-checked on the host; (3) a static scan (sandbox_rules.py) that also
     refuses frame, traceback and gc introspection, raw-memory ctypes, and patches of torch, numpy, clocks
     or the harness.
@@ -94,10 +95,10 @@ from dataclasses import dataclass, field
 
 import sandbox_worker
 import workspace
-from sandbox_build import build_inline, compile_workspace, copy_build, trim_log  # noqa: F401
+from sandbox_build import build_inline, compile_workspace, copy_build, guard_library, trim_log  # noqa: F401
 from sandbox_child import (HARNESS_DIR, Child, ChildResult, SandboxError, Spares, bwrap_argv,  # noqa: F401
                            hidden, hidden_candidate, interruptible, isolation, last_line, new_jobdir, require_device,
-                           run_child, warm_spares)
+                           run_child, settle, warm_spares)
 from sandbox_reference import (BASELINE_TIMING, REF_SPARES, ref_spare, baseline_cache, baseline_entry,  # noqa: F401
                                baselines, device_name, precision_of, prewarm, reference_pool, retime, run_reference)
 from sandbox_rules import compare, sketch_close, static_scan
@@ -218,6 +219,7 @@ def _solution(solution: str) -> tuple[str, str]:
 
 def _check(task, solution, cfg, compile_gate, device_gate) -> Verdict:
     require_device(cfg.device)
+    guard_library(cfg)  # built once per torch; every candidate child loads it
     src = read_task(task)
     v = Verdict(precision=precision_of(cfg), device=cfg.device, timings={"isolation": isolation()})
     try:
@@ -391,6 +393,9 @@ def _run_candidate(form, cand, wdir, jobdir, ref, plan, cfg, gpu, ws) -> tuple[C
 
     def advance(control, **extra):  # the next request; "done" at once after the first failure
         req = plan[seen["i"]] if seen["bad"] is None and seen["i"] < len(plan) else {"op": "done"}
+        if req["op"] == "time" and not seen.get("settled"):  # the previous job's child has left the device
+            settle(gpu)
+            seen["settled"] = True
         seen["i"] += 1
         seen["req"] = req
         send(control, {**extra, "next": req} if extra else req)
@@ -434,12 +439,22 @@ def _run_candidate(form, cand, wdir, jobdir, ref, plan, cfg, gpu, ws) -> tuple[C
     if child is None:
         r = run_child(job, jobdir, device=cfg.device, timeout_s=timeout, mem_limit_mb=cfg.mem_limit_mb, gpu=gpu,
                       hide=hide, on_msg=on_msg,
-                      max_msg_mb=(2 * out_bytes >> 20) + 16)
+                      max_msg_mb=(2 * out_bytes >> 20) + 16, shm_bytes=_shm_bytes(out_bytes, cfg))
         return r, seen
     try:
-        return child.run(job, timeout, on_msg, max_msg_mb=(2 * out_bytes >> 20) + 16), seen
+        return child.run(job, timeout, on_msg, max_msg_mb=(2 * out_bytes >> 20) + 16,
+                         shm_bytes=_shm_bytes(out_bytes, cfg)), seen
     finally:
         shutil.rmtree(child.jobdir, ignore_errors=True)
+
+
+def _shm_bytes(out_bytes: int, cfg: SandboxConfig) -> int:
+    """The shared output buffer of a candidate child: two halves, each one trial's outputs (+ alignment), used
+    in turn, so the child writes trial k+1 while the host still compares trial k. A trial's outputs travel
+    through it instead of the pipe (a 64 MB output: ~1 ms device-to-host into the registered buffer, against
+    ~60 ms to pageable memory and ~40 ms through the pipe on an H200 host; docs/RESULTS.md). Its pages count
+    in the child's RSS, so outputs over 1/8 of the memory limit take the pipe, one trial at a time."""
+    return 2 * (out_bytes + 64 * 64 + (1 << 20)) if out_bytes <= (cfg.mem_limit_mb << 20) // 8 else 0
 
 
 def _compare_kind(ref: dict, seed: int, msg: dict, cfg: SandboxConfig, work_device: str = "cpu") -> dict:

@@ -1,6 +1,7 @@
-"""Builds of candidate code for the sandbox: form (b) kernels compiled per file to plain shared objects
-(nvcc / g++, no torch headers; cached by every file the compiler sees), and form (a) `load_inline`
-sources built once by an isolated child that sees no input (candidates run from a private copy).
+"""Builds for the sandbox: form (b) kernels compiled per file to plain shared objects (nvcc / g++, no torch
+headers; cached by every file the compiler sees), form (a) `load_inline` sources built once by an isolated
+child that sees no input (candidates run from a private copy), and the harness's own dispatch guard
+(sandbox_guard.cpp, once per torch version).
 
 Smoke: python -m pytest tests/test_sandbox.py -q -k "compile or cache or inline"
 """
@@ -14,11 +15,13 @@ import re
 import secrets
 import shutil
 import subprocess
+import threading
 import time
 from typing import TYPE_CHECKING
 
+import sandbox_child
 import workspace
-from sandbox_child import hidden, new_jobdir, run_child
+from sandbox_child import SandboxError, hidden, new_jobdir, run_child
 from workspace import WorkspaceError
 
 if TYPE_CHECKING:
@@ -188,3 +191,40 @@ def build_inline(cand: str, wdir: str, cfg: SandboxConfig) -> tuple[str, str | N
 def copy_build(src: str, dst: str):
     """Copy a build dir (written by candidate code at import: links and special files are refused)."""
     workspace.copy_tree(src, dst, ignore_suffixes=(".o",), file_cap=1 << 30, total_cap=2 << 30)
+
+
+# ----------------------------------------------------------------------------- the dispatch guard
+GUARD_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_guard.cpp")
+_GUARD_LOCK = threading.Lock()
+
+
+def guard_library(cfg: SandboxConfig) -> str:
+    """sandbox_guard.cpp built against the running torch (cache_dir/guard/<sha>/sandbox_guard.so: ~10 s once per
+    torch, compiler and source) and handed to sandbox_child, which binds it into every worker child. Trusted
+    source, so it compiles here, not in a sandbox. Raises SandboxError if it cannot: no candidate runs unguarded."""
+    import torch
+    with _GUARD_LOCK:
+        if sandbox_child.GUARD and os.path.exists(sandbox_child.GUARD):
+            return sandbox_child.GUARD
+        tdir = os.path.dirname(os.path.abspath(torch.__file__))
+        lib = os.path.join(tdir, "lib")
+        cxx = os.environ.get("CXX", "g++")
+        flags = ["-O2", "-shared", "-fPIC", "-std=c++20", "-w",
+                 f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", "-I", os.path.join(tdir, "include"),
+                 f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
+        with open(GUARD_SRC, "rb") as f:
+            key = hashlib.sha256(f.read() + f"|{torch.__version__}|{tdir}|{flags}|{_compiler_version(cxx)}".encode())
+        so = os.path.join(os.path.expanduser(cfg.cache_dir), "guard", key.hexdigest()[:16], "sandbox_guard.so")
+        if not os.path.exists(so):
+            os.makedirs(os.path.dirname(so), exist_ok=True)
+            tmp = f"{so}.{secrets.token_hex(4)}"
+            try:
+                r = subprocess.run([cxx, GUARD_SRC, "-o", tmp, *flags], capture_output=True, text=True, timeout=600)
+            except (OSError, subprocess.SubprocessError) as e:
+                raise SandboxError(f"cannot build the dispatch guard ({cxx}): {e}") from None
+            if r.returncode != 0:
+                raise SandboxError(f"cannot build the dispatch guard: {cxx} failed: "
+                                   f"{sandbox_child.last_line(trim_log(r.stderr, False))}")
+            os.replace(tmp, so)  # atomic: processes building at once leave one file
+        sandbox_child.GUARD = so
+        return so

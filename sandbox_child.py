@@ -15,6 +15,7 @@ import contextlib
 import fcntl
 import json
 import math
+import mmap
 import os
 import resource
 import secrets
@@ -32,6 +33,7 @@ import sandbox_worker
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_worker.py")
 INLINE = os.path.join(os.path.dirname(WORKER), "sandbox_inline.py")  # imported by the worker
+GUARD: str | None = None  # the dispatch guard's .so, set by sandbox_build.guard_library; loaded by the worker
 
 
 class SandboxError(Exception):
@@ -86,6 +88,11 @@ def isolation() -> str:
 
 
 HARNESS_DIR = "/tmp/.harness"  # where a child sees the worker script when the repository is hidden
+
+
+def guard_seen(level: str) -> str:
+    """Where a worker child finds the dispatch guard (CUDA_AGENT_GUARD)."""
+    return os.path.join(HARNESS_DIR, "sandbox_guard.so") if level == "bwrap" else GUARD or ""
 REPO = os.path.dirname(WORKER)
 _UNHIDEABLE = ("/", "/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/dev", "/proc", "/sys", "/run", "/tmp")
 
@@ -142,7 +149,7 @@ def bwrap_argv(cmd: list[str], wdir: str, device: str, writable: list, hide: lis
     """The bubblewrap command line of every sandboxed process (jobs here, the agent's bash tool in tools.py):
     read-only `/`, private /tmp and /dev/shm, `hide` invisible, `wdir` and `writable` writable, `ro_binds`
     read-only over them, no network, own namespaces; `cmd` last (empty: the caller appends it)."""
-    args = ["bwrap", "--ro-bind", "/", "/"]
+    runs_worker, args = WORKER in cmd, ["bwrap", "--ro-bind", "/", "/"]
     args += ["--dev-bind", "/dev", "/dev"] if device == "cuda" else ["--dev", "/dev"]
     args += ["--proc", "/proc", "--tmpfs", "/tmp", "--tmpfs", "/dev/shm"]
     hidden = [h for h in dict.fromkeys(os.path.realpath(os.path.expanduser(x)) for x in [root(), *hide])
@@ -161,6 +168,8 @@ def bwrap_argv(cmd: list[str], wdir: str, device: str, writable: list, hide: lis
             args += ["--ro-bind", os.path.realpath(f), os.path.join(HARNESS_DIR, os.path.basename(f))]
         shown = os.path.join(HARNESS_DIR, os.path.basename(WORKER))
         cmd = [shown if c == WORKER else c for c in cmd]
+    if GUARD and runs_worker:  # the cache dir that holds it is hidden from candidates
+        args += ["--ro-bind", GUARD, guard_seen("bwrap")]
     for w in [wdir, *writable]:  # binds come last so that the tmpfs mounts above do not hide them
         src, dst = w if isinstance(w, tuple) else (w, w)  # (host dir, where the child sees it)
         args += ["--bind", src, dst]
@@ -170,19 +179,18 @@ def bwrap_argv(cmd: list[str], wdir: str, device: str, writable: list, hide: lis
 
 
 def _proc_tree(pid: int) -> list[int]:
-    """pid and all its descendants (scan of /proc/*/stat)."""
-    kids: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                with open(f"/proc/{d}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-                kids.setdefault(ppid, []).append(int(d))
+    """pid and all its descendants, by each thread's /proc children list (an orphan is re-parented to the
+    sandbox's own init, which is in the tree). Read every few polls while a job runs, holding the GIL: a
+    scan of all of /proc took ~25 ms a time on a loaded host and delayed the replies to the child."""
     out, todo = [], [pid]
     while todo:
         p = todo.pop()
         out.append(p)
-        todo += kids.get(p, [])
+        with contextlib.suppress(OSError):
+            for t in os.listdir(f"/proc/{p}/task"):
+                with contextlib.suppress(OSError, ValueError):
+                    with open(f"/proc/{p}/task/{t}/children") as f:
+                        todo += [int(c) for c in f.read().split()]
     return out
 
 
@@ -231,7 +239,8 @@ def _reader(fd: int, nonce: bytes, out: list, on_msg, state: dict, max_msgs: int
     """Read nonce-framed messages (sandbox_worker.Channel) until EOF; a bad frame, a message over
     state["max_msg_bytes"] (head and tensors together) or too many messages mark the channel corrupt. Each message is
     handed to `on_msg` and then only its small fields are kept (tensors under "outs" are dropped), so the
-    host holds at most one message's payload at a time. Tensors are read straight into their own storage."""
+    host holds at most one message's payload at a time. Tensors are read straight into their own storage, or,
+    for a spec with an offset (`at`), viewed in place in the child's shared output buffer (state["shm"])."""
     import torch
     with os.fdopen(fd, "rb", buffering=0) as f:
         def read_into(view) -> bool:
@@ -270,9 +279,18 @@ def _reader(fd: int, nonce: bytes, out: list, on_msg, state: dict, max_msgs: int
                 specs = sandbox_worker.tensor_specs(head)
                 left = max_msg_bytes - n
                 tensors = []
-                for dt, shape in specs:
+                for dt, shape, at in specs:
                     dtype = getattr(torch, dt)
                     size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+                    if at is not None:  # in the shared buffer: bounds checked here, nothing to read
+                        shm = state.get("shm")
+                        if shm is None or at % 64 or at + size > len(shm):
+                            state.setdefault("corrupt", "a tensor outside the shared output buffer")
+                            return
+                        view = torch.frombuffer(shm, dtype=torch.uint8, count=size, offset=at) if size else \
+                            torch.empty(0, dtype=torch.uint8)
+                        tensors.append(view.view(dtype).reshape(shape))
+                        continue
                     m = frame(left)
                     if m is None or m != size:
                         state.setdefault("corrupt", "a tensor frame does not match its spec")
@@ -320,6 +338,16 @@ def _limits(cpu_as_mb: int | None):
 
 _LIVE: set = set()  # every started child not yet reaped: kill_all() ends them (Ctrl-C)
 _LIVE_LOCK = threading.Lock()
+_REAPING: dict = {}  # gpu -> threads reaping children killed after their result (Child.run)
+
+
+def settle(gpu: int | None, timeout_s: float = 30.0):
+    """Wait until every child that ran on `gpu` has exited: nothing of a finished job may still be tearing
+    down on the device while a later job is timed there."""
+    with _LIVE_LOCK:
+        reapers = list(_REAPING.get(gpu, ()))
+    for t in reapers:
+        t.join(timeout_s)
 
 
 def kill_all() -> int:
@@ -355,33 +383,44 @@ class Child:
 
     def __init__(self, jobdir: str, *, device: str, mem_limit_mb: int, gpu: int | None = None, writable: tuple = (),
                  hide: tuple = (), env: dict | None = None, cmd: list[str] | None = None, max_msg_mb: int = 64,
-                 job: dict | None = None, on_msg=None, warm_for: str = "candidate"):
+                 job: dict | None = None, on_msg=None, warm_for: str = "candidate", shm_bytes: int = 0):
         self.jobdir, self.device, self.mem_limit_mb, self.on_msg = jobdir, device, mem_limit_mb, on_msg
+        self.gpu = gpu
         self.wdir = os.path.join(jobdir, "w")
         os.makedirs(self.wdir, exist_ok=True)
         self.warm, self.is_worker = job is None and cmd is None, cmd is None
         nonce = secrets.token_bytes(16)
         rfd, wfd = os.pipe()
         crfd, cwfd = os.pipe()
+        # The output buffer a worker shares with the host (trial outputs, `Child.run(shm_bytes=)`): created here,
+        # grown by the host once a job's size is known, and sealed against shrinking, so nothing the child
+        # does to it can fault the host's mapping (SIGBUS).
+        self.shm_fd, self.shm = os.memfd_create("cuda_agent_out", os.MFD_ALLOW_SEALING), None
+        fcntl.fcntl(self.shm_fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+        self.state = {"max_msg_bytes": max_msg_mb << 20}
+        if job is not None and shm_bytes:
+            job = {**job, "shm_bytes": self._open_shm(shm_bytes)}
         with contextlib.suppress(OSError):  # 1 MiB instead of 64 KiB: a 64 MB output in 64 wake-ups, not 1,024
             fcntl.fcntl(wfd, fcntl.F_SETPIPE_SZ, 1 << 20)
         with open(os.path.join(self.wdir, "job.json"), "w") as f:  # no seed, plan or nonce: fds and kind only
             json.dump({**(job or {"kind": "warm", "device": device, "for": warm_for}), "result_fd": wfd,
-                       "control_fd": crfd}, f)
+                       "control_fd": crfd, "shm_fd": self.shm_fd}, f)
         child_env = {k: os.environ[k] for k in PASS_ENV if k in os.environ}
         child_env.update({"HOME": self.wdir, "TMPDIR": "/tmp" if isolation() == "bwrap" else self.wdir,
-                          "PYTHONDONTWRITEBYTECODE": "1", **(env or {})})
+                          "PYTHONDONTWRITEBYTECODE": "1", "CUDA_AGENT_GUARD": guard_seen(isolation()),
+                          **(env or {})})
         child_env["CUDA_VISIBLE_DEVICES"] = visible_devices(gpu) if device == "cuda" else ""  # cpu: no GPU
         cmd = cmd or [sys.executable, WORKER, os.path.join(self.wdir, "job.json")]
         full = _wrap(cmd, self.wdir, device, list(writable), list(hide))
         self.out_f = open(os.path.join(jobdir, "stdout"), "w+b")
         self.err_f = open(os.path.join(jobdir, "stderr"), "w+b")
-        self.msgs, self.state = [], {"max_msg_bytes": max_msg_mb << 20}
+        self.msgs = []
         self.control = os.fdopen(cwfd, "w")
         self.t_started = time.monotonic()
         try:
             self.proc = subprocess.Popen(full, stdin=subprocess.DEVNULL, stdout=self.out_f, stderr=self.err_f,
-                                         env=child_env, cwd=self.wdir, pass_fds=(wfd, crfd), start_new_session=True,
+                                         env=child_env, cwd=self.wdir, pass_fds=(wfd, crfd, self.shm_fd),
+                                         start_new_session=True,
                                          preexec_fn=_limits(mem_limit_mb + 4096 if device == "cpu" else None))
         finally:
             os.close(wfd)
@@ -413,20 +452,48 @@ class Child:
         for f in (self.out_f, self.err_f, self.control):
             with contextlib.suppress(OSError, ValueError):
                 f.close()
+        self._close_shm()
 
-    def run(self, job: dict | None, timeout_s: float, on_msg=None, max_msg_mb: int | None = None) -> ChildResult:
+    def _reap(self):
+        self.proc.wait()
+        with _LIVE_LOCK:
+            _LIVE.discard(self)
+            _REAPING.get(self.gpu, set()).discard(threading.current_thread())
+
+    def _open_shm(self, n: int) -> int:
+        os.ftruncate(self.shm_fd, n)
+        self.shm = self.state["shm"] = mmap.mmap(self.shm_fd, n)
+        return n
+
+    def _close_shm(self):
+        if self.shm is not None:
+            with contextlib.suppress(BufferError):  # a view still alive: the map goes with it
+                self.shm.close()
+            self.shm = self.state["shm"] = None
+        with contextlib.suppress(OSError):
+            os.close(self.shm_fd)
+
+    def run(self, job: dict | None, timeout_s: float, on_msg=None, max_msg_mb: int | None = None,
+            shm_bytes: int = 0) -> ChildResult:
         """Give a warm child `job` (a cold one has it already), then wait until it exits, killing it on the
-        wall-clock limit, over `mem_limit_mb` of RSS (the whole process tree), or on a corrupt channel."""
+        wall-clock limit, over `mem_limit_mb` of RSS (the whole process tree), or on a corrupt channel.
+        `shm_bytes`: the size of the shared output buffer the job may write tensors into (a warm child's job)."""
         self.on_msg = on_msg or self.on_msg
         if max_msg_mb is not None:
             self.state["max_msg_bytes"] = max_msg_mb << 20
         started = bool(self.msgs)  # a warm child has reported before any candidate code exists in it
         if self.warm:
+            if shm_bytes:  # grown and mapped before the job exists in the child
+                self._open_shm(shm_bytes)
             del self.msgs[:]
             self.t_started = time.monotonic()
-            self._send({"job": job})
+            self._send({"job": {**job, "shm_bytes": shm_bytes} if shm_bytes else job})
         proc, t_end, why, peak, tree, n = self.proc, time.monotonic() + timeout_s, None, 0.0, [self.proc.pid], 0
+        answered = False
         while proc.poll() is None:
+            if self.is_worker and self.msgs and self.msgs[-1][1].get("type") == "result":
+                answered = True  # the worker's last message: its exit is not waited for (below)
+                break
             if time.monotonic() > t_end:
                 why = f"timed out after {timeout_s:.0f}s"
             elif self.state.get("corrupt"):  # the reader has stopped: nothing will answer the child any more
@@ -441,12 +508,20 @@ class Child:
                 _kill_tree(proc)
                 break
             time.sleep(0.01 if self.warm else 0.05)
-        proc.wait()
-        with _LIVE_LOCK:
-            _LIVE.discard(self)
-        self.reader.join(timeout=10)
+        if answered:  # killed now and reaped in the background: a CUDA process's exit (context teardown) took
+            _kill_tree(proc)  # ~0.2 s of every check on an H200; `settle` waits for it before anything is timed
+            reaper = threading.Thread(target=self._reap, daemon=True)
+            with _LIVE_LOCK:
+                _REAPING.setdefault(self.gpu, set()).add(reaper)
+            reaper.start()
+        else:
+            proc.wait()
+            with _LIVE_LOCK:
+                _LIVE.discard(self)
+            self.reader.join(timeout=10)
         with contextlib.suppress(OSError):
             self.control.close()
+        self._close_shm()
         rc, msgs, state = proc.returncode, self.msgs, self.state
         stdout, stderr = _tail(self.out_f), _tail(self.err_f)
         result = next((m for _, m in reversed(msgs) if m.get("type") == "result"), None)
@@ -479,6 +554,8 @@ class Spares:
 
     def __init__(self):
         self._lock, self._ready, self._pending = threading.Lock(), {}, {}  # slot (device, gpu) -> [(key, Child)]
+        self._started = threading.Condition(self._lock)  # a pending spare has started (or failed to)
+        self._pending_keys: dict = {}  # key -> spares of that key being started
         self.last_error: str | None = None  # why the last spare could not be used (diagnostics)
         # Spares are started from one thread that lives as long as the process: bwrap --die-with-parent
         # (PR_SET_PDEATHSIG) kills a child when the *thread* that started it exits, so a spare started from
@@ -487,8 +564,16 @@ class Spares:
         atexit.register(self.close)
 
     def take(self, key: tuple, n: int, spawn) -> tuple[Child, bool]:
-        """(a child for this key, whether it was already started: False when none was ready)."""
-        return self._take_or_fill(key, n, spawn, take=True)
+        """(a child for this key, whether it was already started: False when none was ready). When none is
+        ready but one of this key is being started, that one is awaited: it began earlier than a new one would."""
+        child, warm = self._take_or_fill(key, n, spawn, take=True)
+        while not warm and child is None:
+            with self._lock:
+                if not self._pending_keys.get(key):
+                    break
+                self._started.wait(timeout=5.0)
+            child, warm = self._take_or_fill(key, n, spawn, take=True)
+        return (child, warm) if child is not None else (spawn(), False)
 
     def fill(self, key: tuple, n: int, spawn):
         """Start spares up to `n` for this key without taking one: a check calls it before its reference
@@ -513,12 +598,13 @@ class Spares:
             ready[:] = keep
             missing = n - len(keep) - self._pending.get(slot, 0)
             self._pending[slot] = self._pending.get(slot, 0) + max(missing, 0)
+            self._pending_keys[key] = self._pending_keys.get(key, 0) + max(missing, 0)
         for c in stale:
             self._discard(c)
         for _ in range(missing):
             self._spawner.submit(self._refill, slot, key, spawn)
         if take:
-            return child if child is not None else spawn(), child is not None
+            return child, child is not None
 
     def _refill(self, slot, key, spawn):
         c = None
@@ -528,8 +614,10 @@ class Spares:
             self.last_error = f"{type(e).__name__}: {e}"
         with self._lock:
             self._pending[slot] -= 1
+            self._pending_keys[key] -= 1
             if c is not None:
                 self._ready.setdefault(slot, []).append((key, c))
+            self._started.notify_all()
 
     @staticmethod
     def _discard(c: Child):
@@ -546,11 +634,11 @@ class Spares:
 
 def run_child(job: dict, jobdir: str, *, device: str, timeout_s: float, mem_limit_mb: int, gpu: int | None = None,
               writable: tuple = (), hide: tuple = (), env: dict | None = None, on_msg=None,
-              cmd: list[str] | None = None, max_msg_mb: int = 64) -> ChildResult:
+              cmd: list[str] | None = None, max_msg_mb: int = 64, shm_bytes: int = 0) -> ChildResult:
     """Run one sandboxed child (the worker with `job`, or `cmd`) and collect its messages (each at most
     `max_msg_mb`). The nonce that frames them goes down the control pipe, never into a file."""
     child = Child(jobdir, device=device, mem_limit_mb=mem_limit_mb, gpu=gpu, writable=writable, hide=hide, env=env,
-                  cmd=cmd, max_msg_mb=max_msg_mb, job=job, on_msg=on_msg)
+                  cmd=cmd, max_msg_mb=max_msg_mb, job=job, on_msg=on_msg, shm_bytes=shm_bytes)
     return child.run(None, timeout_s)
 
 

@@ -18,7 +18,7 @@ import threading
 from typing import TYPE_CHECKING
 
 import sandbox_worker
-from sandbox_child import Child, Spares, isolation, new_jobdir, run_child, visible_devices, warm_spares
+from sandbox_child import Child, Spares, isolation, new_jobdir, run_child, settle, visible_devices, warm_spares
 from workspace import TaskError, read_task
 
 if TYPE_CHECKING:
@@ -81,15 +81,16 @@ REF_SPARES = Spares()  # warm reference children: torch, CUDA and torch.compile'
 
 
 def ref_spare(cfg: SandboxConfig, gpu) -> tuple:
-    """(key, count, spawn) of the warm reference children of this config and device slot: one each, since
-    a reference child serves up to REF_POOL_MAX_USES checks of a task. Each holds a CUDA context."""
+    """(key, count, spawn) of the warm reference children of this config and device slot: two each, since
+    a task's first check runs one and, when its candidate beats a baseline timed once, the re-timing runs
+    another at once (in a cold child that re-timing cost ~10 s on an H200). Each holds a CUDA context."""
     inductor = os.path.join(os.path.expanduser(cfg.cache_dir), "inductor")
 
     def spawn() -> Child:
         os.makedirs(inductor, exist_ok=True)  # bound writable into the child: it must exist first
         return Child(new_jobdir(), device=cfg.device, mem_limit_mb=cfg.mem_limit_mb, gpu=gpu, writable=(inductor,),
                      env={"TORCHINDUCTOR_CACHE_DIR": inductor}, warm_for="reference")
-    return (cfg.device, gpu, cfg.mem_limit_mb, inductor, isolation()), min(1, warm_spares(cfg)), spawn
+    return (cfg.device, gpu, cfg.mem_limit_mb, inductor, isolation()), min(2, warm_spares(cfg)), spawn
 
 
 def run_reference(task_src: str, cfg: SandboxConfig, seeds: list[int], want_baselines: bool,
@@ -119,6 +120,8 @@ def run_reference(task_src: str, cfg: SandboxConfig, seeds: list[int], want_base
             if msg.get("type") == "ref_out":
                 outputs[int(msg["seed"])] = msg["outs"]
         timeout = cfg.run_timeout_s + (cfg.compile_timeout_s if want_baselines or warm else 0)
+        if want_baselines:  # timed: no earlier job's child may still be leaving the device
+            settle(gpu)
         if child:
             r = child.run(job, timeout, on_msg, max_msg_mb=2 * cfg.mem_limit_mb + 256)
         else:

@@ -40,7 +40,7 @@ def _dotted(node) -> str:
     return ".".join(reversed(parts))
 
 
-# Introspection of the harness: the dispatch-mode stack, the profiler, tracing hooks, frames and
+# Introspection of the harness: the dispatch-mode stack and key sets, the profiler, tracing hooks, frames and
 # tracebacks (a traceback's tb_frame.f_back reaches the worker's locals), the garbage collector's object
 # lists, raw memory through ctypes, and the worker's internals. Referring to any of them is a violation by
 # itself, wherever it stands in the source (C++ strings of load_inline included, hence the ctypes prefix).
@@ -51,7 +51,10 @@ INTROSPECTION = re.compile(
     r"\bcr_frame\b|\bag_frame\b|__traceback__|\bexc_info\b|__globals__|__closure__|__code__|__builtins__|"
     r"get_referrers|get_referents|get_objects|\bpythonapi\b|\bpy_object\b|\bPyDLL\b|\bpydll\b|from_address|"
     r"ctypes\.(?:string_at|wstring_at|memmove|memset|cast|addressof)\b|"
-    r"sandbox_worker\.(?!load_kernel|ptr|stream)\w+|\bsys\.modules|\b__class__\.__subclasses__")
+    r"sandbox_worker\.(?!load_kernel|ptr|stream)\w+|\bsys\.modules|\b__class__\.__subclasses__|"
+    # the C++ guard's own names and the dispatcher's key-set controls that would step around it
+    r"sandbox_guard|CUDA_AGENT_GUARD|DispatchKey|dispatch_key|_dispatch_tls|redispatch|TESTING_ONLY|"
+    r"PythonDispatcher|python_dispatcher")
 HARNESS_NAMES = {"load_kernel", "ptr", "stream"}  # all that `from sandbox_worker import ...` may take
 
 

@@ -11,7 +11,8 @@ Variants, each the median of --iters calls in this process (the same compiled ke
   checked, in place    the same with fresh values copied into one input buffer;
   checked, 3 ms gaps   `checked` with the GPU idle 3 ms between calls (a check's pipe round trips leave gaps),
                        the process asleep or spinning;
-  ..., float4 kernel   the same kernel with 16-byte loads (bench_sandbox --kernel relu_vec).
+  ..., float4 kernel   the same kernel with 16-byte loads (bench_sandbox --kernel relu_vec);
+  ..., shared cudart   built with `nvcc -cudart shared` (the runtime torch has loaded, not a static copy).
 
 GPU: python scripts/bench_guard.py --device cuda
 CPU: python scripts/bench_guard.py --device cpu --numel 1048576
@@ -31,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 import sandbox_worker as w  # noqa: E402
+from sandbox import SandboxConfig, guard_library  # noqa: E402
 from bench_sandbox import CPP, CU, VEC_CU  # noqa: E402  (the same ReLU kernels)
 
 class Relu(torch.nn.Module):
@@ -44,12 +46,12 @@ class Relu(torch.nn.Module):
         return y
 
 
-def build(device: str, cu: str = CU, loader=ctypes.CDLL) -> ctypes.CDLL:
+def build(device: str, cu: str = CU, loader=ctypes.CDLL, flags: tuple = ()) -> ctypes.CDLL:
     d = tempfile.mkdtemp()
     src, so = os.path.join(d, "k.cu" if device == "cuda" else "k.cpp"), os.path.join(d, "k.so")
     with open(src, "w") as f:
         f.write(cu if device == "cuda" else CPP)
-    cmd = ["nvcc", "-O3", "-shared", "-Xcompiler", "-fPIC", "-arch=sm_90", "-o", so, src] if device == "cuda" else \
+    cmd = ["nvcc", "-O3", "-shared", "-Xcompiler", "-fPIC", "-arch=sm_90", *flags, "-o", so, src] if device == "cuda" else \
         ["g++", "-O3", "-shared", "-fPIC", "-fopenmp", "-o", so, src]
     subprocess.run(cmd, check=True)
     lib = loader(so)
@@ -66,6 +68,7 @@ def main():
     if a.device == "cuda":
         w._sync = torch.cuda.synchronize
     w._bind_torch()
+    os.environ["CUDA_AGENT_GUARD"] = guard_library(SandboxConfig(device=a.device))  # as a sandbox child loads it
     model, guard_cls, clocks = Relu(build(a.device)), w._guard_cls(), (w._perf, w._sync)
     x = torch.randn(a.numel, device=a.device)
     task = type("T", (), {"get_inputs": staticmethod(lambda: [torch.randn(a.numel)])})
@@ -147,6 +150,11 @@ def main():
     if a.device == "cuda":  # the same call with the GIL held (ctypes.PyDLL): no release/re-acquire around it
         held = Relu(build(a.device, VEC_CU, loader=ctypes.PyDLL))
         variant("checked, float4 kernel, GIL held", held, "alloc", True, True, True)
+        # nvcc links its runtime statically by default: the kernel's launches then go through a second CUDA
+        # runtime beside torch's; with -cudart shared they use the one torch has loaded
+        shared = Relu(build(a.device, VEC_CU, flags=("-cudart", "shared")))
+        variant("checked, float4 kernel, shared cudart", shared, "alloc", True, True, True)
+        variant("checked, float4 kernel, static cudart (again)", vec, "alloc", True, True, True)
     if a.device == "cuda":  # the kernels' own GPU time (events on the stream), without any host overhead
         for name, fn in (("kernel alone (events)", lambda: model.lib.relu_forward(w.ptr(x), w.ptr(y), x.numel(),
                                                                                   w.stream())),

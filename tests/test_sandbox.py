@@ -223,12 +223,20 @@ def test_rebinding_worker_allow_list_changes_nothing(cfg):
     assert v.violation and "relu" in v.violation, v.to_dict()
 
 
-def test_profiler_layer_catches_disabled_guard(cfg):
+def test_dispatch_guard_outlives_disabled_python_modes(cfg):  # a Python dispatch mode could be popped
     v = run(sol("""
         from torch.utils._python_dispatch import _disable_current_modes
         with _disable_current_modes():
             return vars(torch)['re' + 'lu'](x)"""), dynamic_only(cfg))
+    assert v.violation and "dispatch guard" in v.violation and "relu" in v.violation, v.to_dict()
+
+
+def test_profiler_layer_catches_disabled_guard(cfg):  # the guard's key excluded on this thread
+    v = run(sol("""
+        with vars(torch._C)['_ExcludeDispatchKeyGuard'](vars(torch._C)['_dispatch_tls_local_include_set']()):
+            return vars(torch)['re' + 'lu'](x)"""), dynamic_only(cfg))
     assert v.violation and "profiler" in v.violation, v.to_dict()
+    assert "_dispatch_tls" in static_scan(sol("with torch._C._dispatch_tls_local_include_set(): pass"))
 
 
 def test_inheriting_reference_model(cfg, tmp_path):

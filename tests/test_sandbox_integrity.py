@@ -187,6 +187,45 @@ def test_an_oversized_output_is_refused_at_the_frame(cfg):
     assert not v.correct and "limit" in (v.error or ""), v.to_dict()
 
 
+def test_a_shrunk_shared_buffer_cannot_fault_the_host(cfg):
+    """Trial outputs travel in a memfd the host maps. A child that shrank it would make the host's reads
+    fault (SIGBUS, the trainer dead); the host seals it against shrinking before the child exists."""
+    v = check(RELU_TASK, sol("""
+        shrunk = []
+        for f in os.listdir('/proc/self/fd'):
+            try:
+                if 'cuda_agent_out' in os.readlink('/proc/self/fd/' + f):
+                    os.ftruncate(int(f), 0)
+                    shrunk.append(f)
+            except OSError:
+                pass
+        y = torch.zeros_like(x) if shrunk else torch.from_numpy(np.maximum(x.numpy(), 0))"""), cfg)
+    assert v.correct, v.to_dict()
+
+
+def test_a_tensor_outside_the_shared_buffer_is_refused():
+    """The host reads a trial's tensors where the child's message says they lie in the shared buffer: an
+    offset past its end (or unaligned) marks the channel corrupt instead of reading out of bounds."""
+    import mmap
+    import struct
+    import sandbox_child
+    nonce = os.urandom(16)
+
+    def read(spec: dict) -> dict:
+        r, w = os.pipe()
+        head = json.dumps({"type": "trial", "outs": [{"__t__": 0, "dtype": "float32", **spec}]}).encode()
+        os.write(w, nonce + struct.pack(">Q", len(head)) + head)
+        os.close(w)
+        shm = mmap.mmap(-1, 4096)
+        shm[:8] = struct.pack("<2f", 1.5, -2.0)
+        state, got = {"max_msg_bytes": 1 << 20, "shm": shm}, []
+        sandbox_child._reader(r, nonce, [], lambda m: got.append(m["outs"][0].tolist()), state)
+        return {"corrupt": state.get("corrupt"), "got": got}
+    assert read({"shape": [2], "at": 0}) == {"corrupt": None, "got": [[1.5, -2.0]]}
+    for bad in ({"shape": [1024], "at": 64}, {"shape": [2], "at": 4096}, {"shape": [2], "at": 4}):
+        assert "outside the shared output buffer" in (read(bad)["corrupt"] or ""), bad
+
+
 # ----------------------------------------------------------------------------- C. baselines
 def test_an_inflated_cached_baseline_is_retimed_before_a_speedup_tier(cfg, honest):
     """A baseline timed once on a loaded machine made an honest kernel look 20x faster. Before a speedup tier
