@@ -262,7 +262,7 @@ class Engine:
         self._in_run: set[Hashable] = set()         # episodes of the running `step` (not evicted for its rows)
         # offloaded caches live here; kv_host_block = bytes per block (a power of two when pinned)
         self._pool = HostPool(kv_host_block, pin=self.device.type == "cuda")
-        self.stats = dict(prefill_tokens=0, prefill_positions=0, decode_tokens=0, decode_positions=0,
+        self.stats = dict(prefill_tokens=0, prefill_positions=0, decode_tokens=0, decode_positions=0, decode_steps=0,
                           forwards=0, admissions=0, compactions=0, rewinds=0, kv_offloaded_tokens=0,
                           kv_reloaded_tokens=0, kv_dropped_tokens=0, kv_offload_s=0.0, kv_peak_resident_gib=0.0,
                           kv_host_gib=0.0, kv_host_alloc_s=0.0, arena_rows_max=0)
@@ -462,6 +462,7 @@ class Engine:
             self.fed[rows[i].eid] += 1
         self.stats["decode_tokens"] += len(alive)
         self.stats["decode_positions"] += n
+        self.stats["decode_steps"] += 1
         self._sample(alive, logits[alive], results)
 
     def _graph_forward(self, ids: torch.Tensor, start: torch.Tensor) -> torch.Tensor:

@@ -85,6 +85,9 @@ class BenchConfig:
     """engine KV memory on the device (arena + idle caches); None: no limit"""
     kv_evict: str = "offload"
     """what happens to idle caches beyond the budget: offload (to host memory) | drop (re-prefilled later)"""
+    stub_forward: bool = False
+    """host-overhead mode: the engine's model call becomes one gather from a fixed logits table, so a decode step
+    costs only the engine's own work (bookkeeping, sampling, host syncs); the plain loop is skipped"""
     profile_steps: int = 0
     """> 0: one extra turn of this many decode steps under torch.profiler (device time per kernel vs wall)"""
     seed: int = 0
@@ -105,6 +108,9 @@ PRESETS = {
                           kv_budget_gib=40.0),
     # the toy model (512 bytes per token in fp32) within 0.4 MiB: 3-6 arena rows, most idle caches evicted
     "toy_kv": BenchConfig(preset="toy_kv", model="toy", kv_budget_gib=0.0004),
+    # the a3b workload (32 episodes, 80-160 sampled tokens a turn) on the toy model with a stubbed forward
+    "host": BenchConfig(preset="host", model="toy", episodes=32, turns=8, plain_turns=0, prompt_tokens=512,
+                        obs_tokens=384, new_tokens=160, stub_forward=True),
 }
 
 MODELS = {   # Qwen3MoeConfig kwargs
@@ -222,6 +228,62 @@ def profile_decode(eng, episodes: list, steps: int, toks, device: str) -> dict:
     return out
 
 
+def stub_forward(eng: Engine, device: str, seed: int) -> None:
+    """Host-overhead mode: the engine's model call returns row `last id % 64` of a fixed (64, V) logits table.
+    One gather kernel, capturable in a CUDA graph; the arena is still allocated but never written."""
+    V = eng.head.weight.shape[0]
+    table = (4 * torch.randn(64, V, generator=torch.Generator().manual_seed(seed))).to(device)   # (64, V)
+
+    def forward(a, b, ids, start, last):             # ids (B, q), last (B,) -> logits (B, V)
+        eng.stats["forwards"] += 1
+        return table[ids.gather(1, last[:, None]).squeeze(1) % 64]
+
+    eng._forward = forward
+
+
+class HostCalls(torch.overrides.TorchFunctionMode):
+    """Counts the engine's host<->device crossings by the torch call that makes them: reads of tensor values on
+    the host (each a stream sync on CUDA unless the data is already on the host) and tensors built from host
+    data or indexed with host lists (each an H2D copy; a blocking one when made with device=)."""
+    READS = {"tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"}
+
+    def __init__(self):
+        super().__init__()
+        self.reads, self.h2d = 0, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in self.READS:
+            self.reads += 1
+        elif name in ("tensor", "as_tensor") and "device" in kwargs:
+            self.h2d += 1
+        elif name in ("__getitem__", "__setitem__") and any(isinstance(a, list) for a in
+                                                            (args[1] if isinstance(args[1], tuple) else (args[1],))):
+            self.h2d += 1
+        return func(*args, **kwargs)
+
+
+def count_syncs(eng: Engine, reqs: list, device: str) -> dict:
+    """One more turn under HostCalls (and on CUDA under torch's sync debug mode): crossings per decode step."""
+    import warnings
+    steps0 = eng.stats["decode_steps"]
+    with warnings.catch_warnings(record=True) as caught, HostCalls() as calls:
+        warnings.simplefilter("always")
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            eng.step(reqs)
+        finally:
+            if device == "cuda":
+                torch.cuda.set_sync_debug_mode(0)
+    steps = max(1, eng.stats["decode_steps"] - steps0)
+    out = dict(decode_steps=steps, host_reads_per_step=calls.reads / steps, h2d_per_step=calls.h2d / steps)
+    if device == "cuda":
+        out["cuda_syncs_per_step"] = sum("synchroniz" in str(w.message) for w in caught) / steps
+    return out
+
+
 def main(cfg: BenchConfig) -> int:
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
     dtype = (getattr(torch, cfg.dtype) if cfg.dtype != "auto"
@@ -242,10 +304,14 @@ def main(cfg: BenchConfig) -> int:
                  temperature=cfg.temperature, seed=cfg.seed, stop_ids=stop_ids, experts=cfg.experts,
                  cuda_graphs=cfg.cuda_graphs, kv_budget_gib=cfg.kv_budget_gib, kv_evict=cfg.kv_evict)
 
+    if cfg.stub_forward:
+        stub_forward(eng, device, cfg.seed)
+        cfg = dataclasses.replace(cfg, plain_turns=0)
     # warm-up (CUDA context, kernels, allocator) for both paths, then forget the warm-up episode
     eng.step([("warmup", toks(16), 4)])
     eng.release("warmup")
-    plain_turn_batch(model, [toks(16)], [4], stop_ids, cfg, device)
+    if cfg.plain_turns:
+        plain_turn_batch(model, [toks(16)], [4], stop_ids, cfg, device)
     eng.stats = {k: 0 for k in eng.stats}
 
     convs = [[] for _ in range(cfg.episodes)]
@@ -262,10 +328,12 @@ def main(cfg: BenchConfig) -> int:
             sync(device)
             row.update(plain_s=time.perf_counter() - a, plain_tokens=sum(len(p[0]) for p in plain))
         sync(device)
-        a, copy_s = time.perf_counter(), eng.stats["kv_offload_s"]
+        a, copy_s, steps = time.perf_counter(), eng.stats["kv_offload_s"], eng.stats["decode_steps"]
         outs = eng.step([(e, obs[e][t], budgets[e][t]) for e in range(cfg.episodes)])
         sync(device)
-        row.update(engine_s=time.perf_counter() - a, engine_tokens=sum(len(o[1]) for o in outs))
+        row.update(engine_s=time.perf_counter() - a, engine_tokens=sum(len(o[1]) for o in outs),
+                   decode_steps=eng.stats["decode_steps"] - steps)
+        row["ms_per_step"] = 1e3 * row["engine_s"] / max(1, row["decode_steps"])   # prefill included
         if cfg.kv_budget_gib is not None:
             row["kv_copy_s"] = eng.stats["kv_offload_s"] - copy_s
         if t < cfg.plain_turns and cfg.temperature <= 0:      # token identity under greedy decoding
@@ -282,6 +350,10 @@ def main(cfg: BenchConfig) -> int:
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
 
     k = min(cfg.plain_turns, cfg.turns)
+    steps = sum(r["decode_steps"] for r in rows)
+    syncs = None
+    if cfg.stub_forward:   # after the timed turns: counting slows every torch call
+        syncs = count_syncs(eng, [(e, toks(cfg.obs_tokens // 2), budgets[e][-1]) for e in range(cfg.episodes)], device)
     tps = lambda rs, key: sum(r[f"{key}_tokens"] for r in rs) / max(1e-9, sum(r[f"{key}_s"] for r in rs))
     res = dict(config=dataclasses.asdict(cfg), device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
                params_b=n_params / 1e9, dtype=str(dtype), torch=torch.__version__,
@@ -290,6 +362,8 @@ def main(cfg: BenchConfig) -> int:
                plain_tok_s_first_k=tps(rows[:k], "plain") if k else None, plain_turns_run=k,
                identical_turns=f"{same}/{total_cmp}" if total_cmp else None,
                max_abs_dlogprob=max_dlp if total_cmp else None,
+               engine_ms_per_step=1e3 * sum(r["engine_s"] for r in rows) / max(1, steps),
+               engine_tok_per_step=sum(r["engine_tokens"] for r in rows) / max(1, steps), syncs=syncs,
                engine_stats=eng.stats, engine_cuda_graphs=eng.cuda_graphs, graph_error=eng.graph_error, turns=rows,
                kv_all_episodes_gib=sum(map(len, convs)) * eng.kv_token_bytes / 2 ** 30)
     if k:
@@ -305,18 +379,27 @@ def main(cfg: BenchConfig) -> int:
     print(f"{cfg.episodes} episodes x {cfg.turns} turns (plain: first {k}), obs <= {cfg.obs_tokens}, "
           f"new <= {cfg.new_tokens}, max_batch {cfg.max_batch or cfg.episodes}, T={cfg.temperature}, "
           f"KV budget {cfg.kv_budget_gib} GiB ({cfg.kv_evict})\n")
-    print("| turn | mean context | plain s | engine s | plain tok | engine tok | identical rows |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print("| turn | mean context | plain s | engine s | plain tok | engine tok | decode steps | engine ms/step "
+          "| identical rows |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         plain_s = f"{r['plain_s']:.2f}" if "plain_s" in r else "-"
         print(f"| {r['turn']} | {r['mean_context']:.0f} | {plain_s} | {r['engine_s']:.2f} | "
-              f"{r.get('plain_tokens', '-')} | {r['engine_tokens']} | {r.get('identical_rows', '-')} |")
+              f"{r.get('plain_tokens', '-')} | {r['engine_tokens']} | {r['decode_steps']} | {r['ms_per_step']:.2f} "
+              f"| {r.get('identical_rows', '-')} |")
     print("\n| metric | value |\n|---|---:|")
     if k:
         print(f"| plain tok/s (turns 0..{k - 1}) | {res['plain_tok_s_first_k']:.1f} |")
         print(f"| engine tok/s (turns 0..{k - 1}) | {res['engine_tok_s_first_k']:.1f} |")
         print(f"| speedup (same turns; a lower bound for more turns) | {res['speedup_first_k']:.1f}x |")
     print(f"| engine tok/s (all {cfg.turns} turns) | {res['engine_tok_s']:.1f} |")
+    print(f"| engine ms per decode step (turn seconds incl. prefill / decode steps); sampled tokens per step | "
+          f"{res['engine_ms_per_step']:.2f}; {res['engine_tok_per_step']:.1f} |")
+    if syncs:
+        print(f"| host reads / host-built device tensors per decode step (one more turn, counted) | "
+              f"{syncs['host_reads_per_step']:.2f} / {syncs['h2d_per_step']:.2f} |")
+        if "cuda_syncs_per_step" in syncs:
+            print(f"| CUDA syncs per decode step (torch sync debug mode) | {syncs['cuda_syncs_per_step']:.2f} |")
     print(f"| engine CUDA graphs | {eng.cuda_graphs} ({eng.stats.get('graph_replays', 0)} replays"
           f"{'; off: ' + eng.graph_error if eng.graph_error else ''}) |")
     if total_cmp:
