@@ -33,6 +33,7 @@ Flags: --field-name VALUE for any BenchConfig field (tyro when installed, else a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -81,6 +82,8 @@ class BenchConfig:
     """MoE experts implementation for the engine: grouped_mm | batched_mm | eager | None (model default)"""
     cuda_graphs: bool = True
     """engine decode through CUDA graphs (falls back to eager, and says why, if capture fails)"""
+    static_batch: bool = False
+    """engine decodes all arena rows every step, as with CUDA graphs (which imply it); for CPU runs"""
     kv_budget_gib: float | None = None
     """engine KV memory on the device (arena + idle caches); None: no limit"""
     kv_evict: str = "offload"
@@ -110,7 +113,7 @@ PRESETS = {
     "toy_kv": BenchConfig(preset="toy_kv", model="toy", kv_budget_gib=0.0004),
     # the a3b workload (32 episodes, 80-160 sampled tokens a turn) on the toy model with a stubbed forward
     "host": BenchConfig(preset="host", model="toy", episodes=32, turns=8, plain_turns=0, prompt_tokens=512,
-                        obs_tokens=384, new_tokens=160, stub_forward=True),
+                        obs_tokens=384, new_tokens=160, stub_forward=True, static_batch=True),
 }
 
 MODELS = {   # Qwen3MoeConfig kwargs
@@ -228,13 +231,41 @@ def profile_decode(eng, episodes: list, steps: int, toks, device: str) -> dict:
     return out
 
 
-def stub_forward(eng: Engine, device: str, seed: int) -> None:
+class CriticalPath:
+    """Host seconds from the engine's last read of device values (`Tensor.tolist`, which waits for the stream)
+    to its next model call: the time a GPU would idle between steps. Patches Tensor.tolist while active."""
+
+    def __init__(self):
+        self.read_t, self.gaps, self.on = None, [], False
+
+    def model_call(self):
+        if self.on and self.read_t is not None:
+            self.gaps.append(time.perf_counter() - self.read_t)
+        self.read_t = None
+
+    def __enter__(self):
+        tolist, cp = torch.Tensor.tolist, self
+
+        def timed_tolist(t):
+            out = tolist(t)
+            cp.read_t = time.perf_counter()
+            return out
+
+        self._saved, torch.Tensor.tolist, self.on, self.read_t = tolist, timed_tolist, True, None
+        return self
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist, self.on = self._saved, False
+
+
+def stub_forward(eng: Engine, device: str, seed: int, cp: CriticalPath) -> None:
     """Host-overhead mode: the engine's model call returns row `last id % 64` of a fixed (64, V) logits table.
     One gather kernel, capturable in a CUDA graph; the arena is still allocated but never written."""
     V = eng.head.weight.shape[0]
     table = (4 * torch.randn(64, V, generator=torch.Generator().manual_seed(seed))).to(device)   # (64, V)
 
     def forward(a, b, ids, start, last):             # ids (B, q), last (B,) -> logits (B, V)
+        cp.model_call()
         eng.stats["forwards"] += 1
         return table[ids.gather(1, last[:, None]).squeeze(1) % 64]
 
@@ -249,11 +280,12 @@ class HostCalls(torch.overrides.TorchFunctionMode):
 
     def __init__(self):
         super().__init__()
-        self.reads, self.h2d = 0, 0
+        self.reads, self.h2d, self.calls = 0, 0, 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
+        self.calls += 1
         if name in self.READS:
             self.reads += 1
         elif name in ("tensor", "as_tensor") and "device" in kwargs:
@@ -278,7 +310,8 @@ def count_syncs(eng: Engine, reqs: list, device: str) -> dict:
             if device == "cuda":
                 torch.cuda.set_sync_debug_mode(0)
     steps = max(1, eng.stats["decode_steps"] - steps0)
-    out = dict(decode_steps=steps, host_reads_per_step=calls.reads / steps, h2d_per_step=calls.h2d / steps)
+    out = dict(decode_steps=steps, host_reads_per_step=calls.reads / steps, h2d_per_step=calls.h2d / steps,
+               torch_calls_per_step=calls.calls / steps)
     if device == "cuda":
         out["cuda_syncs_per_step"] = sum("synchroniz" in str(w.message) for w in caught) / steps
     return out
@@ -302,10 +335,12 @@ def main(cfg: BenchConfig) -> int:
                for _ in range(cfg.episodes)]
     eng = Engine(model, None, max_batch=cfg.max_batch or cfg.episodes, max_new_tokens=cfg.new_tokens,
                  temperature=cfg.temperature, seed=cfg.seed, stop_ids=stop_ids, experts=cfg.experts,
-                 cuda_graphs=cfg.cuda_graphs, kv_budget_gib=cfg.kv_budget_gib, kv_evict=cfg.kv_evict)
+                 cuda_graphs=cfg.cuda_graphs, static_batch=cfg.static_batch, kv_budget_gib=cfg.kv_budget_gib,
+                 kv_evict=cfg.kv_evict)
 
+    cp = CriticalPath()
     if cfg.stub_forward:
-        stub_forward(eng, device, cfg.seed)
+        stub_forward(eng, device, cfg.seed, cp)
         cfg = dataclasses.replace(cfg, plain_turns=0)
     # warm-up (CUDA context, kernels, allocator) for both paths, then forget the warm-up episode
     eng.step([("warmup", toks(16), 4)])
@@ -329,11 +364,14 @@ def main(cfg: BenchConfig) -> int:
             row.update(plain_s=time.perf_counter() - a, plain_tokens=sum(len(p[0]) for p in plain))
         sync(device)
         a, copy_s, steps = time.perf_counter(), eng.stats["kv_offload_s"], eng.stats["decode_steps"]
-        outs = eng.step([(e, obs[e][t], budgets[e][t]) for e in range(cfg.episodes)])
+        admit_s, capture_s = eng.stats["admit_s"], eng.stats["graph_capture_s"]
+        with cp if cfg.stub_forward else contextlib.nullcontext():
+            outs = eng.step([(e, obs[e][t], budgets[e][t]) for e in range(cfg.episodes)])
         sync(device)
         row.update(engine_s=time.perf_counter() - a, engine_tokens=sum(len(o[1]) for o in outs),
                    decode_steps=eng.stats["decode_steps"] - steps)
         row["ms_per_step"] = 1e3 * row["engine_s"] / max(1, row["decode_steps"])   # prefill included
+        row.update(admit_s=eng.stats["admit_s"] - admit_s, capture_s=eng.stats["graph_capture_s"] - capture_s)
         if cfg.kv_budget_gib is not None:
             row["kv_copy_s"] = eng.stats["kv_offload_s"] - copy_s
         if t < cfg.plain_turns and cfg.temperature <= 0:      # token identity under greedy decoding
@@ -363,7 +401,11 @@ def main(cfg: BenchConfig) -> int:
                identical_turns=f"{same}/{total_cmp}" if total_cmp else None,
                max_abs_dlogprob=max_dlp if total_cmp else None,
                engine_ms_per_step=1e3 * sum(r["engine_s"] for r in rows) / max(1, steps),
+               admit_s=sum(r["admit_s"] for r in rows), capture_s=sum(r["capture_s"] for r in rows),
+               decode_ms_per_step=1e3 * sum(r["engine_s"] - r["admit_s"] - r["capture_s"] for r in rows) / max(1, steps),
                engine_tok_per_step=sum(r["engine_tokens"] for r in rows) / max(1, steps), syncs=syncs,
+               critical_ms_per_step=1e3 * sum(cp.gaps) / max(1, steps) if cfg.stub_forward else None,
+               critical_ms_median=1e3 * sorted(cp.gaps)[len(cp.gaps) // 2] if cp.gaps else None,
                engine_stats=eng.stats, engine_cuda_graphs=eng.cuda_graphs, graph_error=eng.graph_error, turns=rows,
                kv_all_episodes_gib=sum(map(len, convs)) * eng.kv_token_bytes / 2 ** 30)
     if k:
@@ -395,9 +437,14 @@ def main(cfg: BenchConfig) -> int:
     print(f"| engine tok/s (all {cfg.turns} turns) | {res['engine_tok_s']:.1f} |")
     print(f"| engine ms per decode step (turn seconds incl. prefill / decode steps); sampled tokens per step | "
           f"{res['engine_ms_per_step']:.2f}; {res['engine_tok_per_step']:.1f} |")
+    print(f"| engine seconds in admissions (cache loads, prefill, first sample); in graph captures | "
+          f"{res['admit_s']:.2f}; {res['capture_s']:.2f} |")
+    print(f"| ms per decode step without them | {res['decode_ms_per_step']:.2f} |")
     if syncs:
-        print(f"| host reads / host-built device tensors per decode step (one more turn, counted) | "
-              f"{syncs['host_reads_per_step']:.2f} / {syncs['h2d_per_step']:.2f} |")
+        print(f"| host critical path (last device read to next model call): per decode step incl. finishes and "
+              f"admissions; median gap | {res['critical_ms_per_step']:.3f} ms; {res['critical_ms_median']:.3f} ms |")
+        print(f"| host reads / host-built device tensors / torch calls per decode step (one more turn, counted) | "
+              f"{syncs['host_reads_per_step']:.2f} / {syncs['h2d_per_step']:.2f} / {syncs['torch_calls_per_step']:.1f} |")
         if "cuda_syncs_per_step" in syncs:
             print(f"| CUDA syncs per decode step (torch sync debug mode) | {syncs['cuda_syncs_per_step']:.2f} |")
     print(f"| engine CUDA graphs | {eng.cuda_graphs} ({eng.stats.get('graph_replays', 0)} replays"
