@@ -23,8 +23,13 @@ same tokens plus max |delta logprob| over the shared prefix (bf16 batching/paddi
 Departures: none from the paper (this is infrastructure). The plain loop uses `generate`'s own defaults
 (on GPU transformers may switch MoE experts to `batched_mm` for decode); the engine uses `--experts`.
 
+Host overhead (`--stub-forward`, preset `host`: the a3b workload on the toy model, the model call replaced by a
+logits-table gather): ms per decode step, the host's critical path (its last read of device values to the next
+model call: what a GPU idles between steps) and host<->device crossings per step, counted on one more turn.
+
 Smoke (CPU, ~1 min): python scripts/bench_generate.py --preset toy --device cpu
                     python scripts/bench_generate.py --preset toy_kv --device cpu
+Host overhead (CPU or GPU, ~30 s): OMP_NUM_THREADS=1 python scripts/bench_generate.py --preset host [--device cuda]
 Full (H200, ~4 min each): python scripts/bench_generate.py --preset small --out bench_small.json
                           python scripts/bench_generate.py --preset a3b --out bench_a3b.json
                           python scripts/bench_generate.py --preset a3b_kv --out bench_a3b_kv.json
