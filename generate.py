@@ -510,7 +510,7 @@ class Engine:
             logits = self._graph_forward(ids, start)
         else:
             logits = self._forward(0, n, ids, start, self._last0[:n])                                 # (B, V)
-        self._st[LEN, :n] += self._st[ALIVE, :n]                 # the fed token is cached now
+        start += self._st[ALIVE, :n]                             # the fed token is cached now (start is _st[LEN])
         self.stats["decode_positions"] += n
         self.stats["decode_steps"] += 1
         self._sample(0, n, logits, results)
@@ -547,14 +547,15 @@ class Engine:
         """Sample for arena rows a..b-1 (logits (b - a, V)) and update their state on the device (dead and unused
         rows sample too; their draws are dropped), then `_collect`."""
         tok, _, left, nout, alive, done = self._st[:, a:b]                      # (b - a,) views each
-        u = None if self._u is None else self._u[a:b].gather(1, nout[:, None]).squeeze(1)      # (b - a,)
+        col = nout[:, None]                                                      # (b - a, 1) output column
+        u = None if self._u is None else self._u[a:b].gather(1, col).squeeze(1)                 # (b - a,)
         ids, lps = sample_rows(logits, u, self.temperature, self.top_p, self.top_k)             # (b - a,) each
-        self._out[a:b].scatter_(1, nout[:, None], ids[:, None])
-        self._lps[a:b].scatter_(1, nout[:, None], lps[:, None])
+        self._out[a:b].scatter_(1, col, ids[:, None])
+        self._lps[a:b].scatter_(1, col, lps[:, None])
         tok.copy_(ids.masked_fill(alive == 0, self.pad_id))
         nout += alive
         left -= alive
-        done.copy_(alive & (self._stop[ids] | (left <= 0)))
+        torch.bitwise_and(alive, self._stop[ids] | (left <= 0), out=done)
         alive -= done
         self._collect(a, b, results)
 
