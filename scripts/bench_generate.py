@@ -370,7 +370,8 @@ def main(cfg: BenchConfig) -> int:
         sync(device)
         a, copy_s, steps = time.perf_counter(), eng.stats["kv_offload_s"], eng.stats["decode_steps"]
         cpu = time.process_time()
-        admit_s, capture_s = eng.stats["admit_s"], eng.stats["graph_capture_s"]
+        # (.get: the same script also times engines from before these two timers)
+        admit_s, capture_s = eng.stats.get("admit_s", 0.0), eng.stats.get("graph_capture_s", 0.0)
         with cp if cfg.stub_forward else contextlib.nullcontext():
             outs = eng.step([(e, obs[e][t], budgets[e][t]) for e in range(cfg.episodes)])
         sync(device)
@@ -378,7 +379,8 @@ def main(cfg: BenchConfig) -> int:
                    engine_tokens=sum(len(o[1]) for o in outs),
                    decode_steps=eng.stats["decode_steps"] - steps)
         row["ms_per_step"] = 1e3 * row["engine_s"] / max(1, row["decode_steps"])   # prefill included
-        row.update(admit_s=eng.stats["admit_s"] - admit_s, capture_s=eng.stats["graph_capture_s"] - capture_s)
+        row.update(admit_s=eng.stats.get("admit_s", 0.0) - admit_s,
+                   capture_s=eng.stats.get("graph_capture_s", 0.0) - capture_s)
         if cfg.kv_budget_gib is not None:
             row["kv_copy_s"] = eng.stats["kv_offload_s"] - copy_s
         if t < cfg.plain_turns and cfg.temperature <= 0:      # token identity under greedy decoding
