@@ -412,7 +412,8 @@ def main(cfg: BenchConfig) -> int:
                engine_ms_per_step=1e3 * sum(r["engine_s"] for r in rows) / max(1, steps),
                engine_cpu_ms_per_step=1e3 * sum(r["engine_cpu_s"] for r in rows) / max(1, steps),
                admit_s=sum(r["admit_s"] for r in rows), capture_s=sum(r["capture_s"] for r in rows),
-               decode_ms_per_step=1e3 * sum(r["engine_s"] - r["admit_s"] - r["capture_s"] for r in rows) / max(1, steps),
+               decode_ms_per_step=1e3 * sum(r["engine_s"] - r["admit_s"] - r["capture_s"] for r in rows)
+               / max(1, steps),
                engine_tok_per_step=sum(r["engine_tokens"] for r in rows) / max(1, steps), syncs=syncs,
                critical_ms_per_step=1e3 * sum(cp.gaps) / max(1, steps) if cfg.stub_forward else None,
                critical_ms_median=1e3 * sorted(cp.gaps)[len(cp.gaps) // 2] if cp.gaps else None,
@@ -456,7 +457,8 @@ def main(cfg: BenchConfig) -> int:
         print(f"| host critical path (last device read to next model call): per decode step incl. finishes and "
               f"admissions; median gap | {res['critical_ms_per_step']:.3f} ms; {res['critical_ms_median']:.3f} ms |")
         print(f"| host reads / host-built device tensors / torch calls per decode step (one more turn, counted) | "
-              f"{syncs['host_reads_per_step']:.2f} / {syncs['h2d_per_step']:.2f} / {syncs['torch_calls_per_step']:.1f} |")
+              f"{syncs['host_reads_per_step']:.2f} / {syncs['h2d_per_step']:.2f} / "
+              f"{syncs['torch_calls_per_step']:.1f} |")
         if "cuda_syncs_per_step" in syncs:
             print(f"| CUDA syncs per decode step (torch sync debug mode) | {syncs['cuda_syncs_per_step']:.2f} |")
     print(f"| engine CUDA graphs | {eng.cuda_graphs} ({eng.stats.get('graph_replays', 0)} replays"
