@@ -31,7 +31,7 @@ import contextlib
 import inspect
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Hashable, Protocol
 
 import torch
@@ -69,6 +69,14 @@ def sample_next(logits: torch.Tensor, generators: list[torch.Generator], tempera
     uniform u_b from generators[b] and takes the inverse CDF of its filtered distribution.
     """
     assert logits.dim() == 2 and len(generators) == logits.shape[0], "one generator per row"
+    u = None if temperature <= 0 else torch.tensor(
+        [torch.rand((), generator=g).item() for g in generators]).to(logits.device)      # (B,) float32
+    return sample_rows(logits, u, temperature, top_p, top_k)
+
+
+def sample_rows(logits: torch.Tensor, u: torch.Tensor | None, temperature: float = 1.0, top_p: float = 1.0,
+                top_k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_next` with the uniforms given: u (B,) float32 on logits' device (None when greedy). No host sync."""
     logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1)                                  # (B, V) at temperature 1
     if temperature <= 0:
@@ -85,8 +93,6 @@ def sample_next(logits: torch.Tensor, generators: list[torch.Generator], tempera
                 keep &= (probs.cumsum(-1) - probs) < top_p                       # mass before it < top_p
             probs = probs * keep
         cdf = probs.cumsum(dim=-1)                                                # (B, V)
-        u = torch.tensor([torch.rand((), generator=g).item() for g in generators],
-                         dtype=cdf.dtype, device=cdf.device)                     # (B,)
         idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
         idx = idx.clamp(max=cdf.shape[-1] - 1)                                    # (B,)
         ids = idx if order is None else order.gather(-1, idx.unsqueeze(-1)).squeeze(-1)
@@ -163,11 +169,8 @@ class _Episode:
 @dataclass
 class _Row:
     eid: Hashable
-    length: int                        # tokens of this episode in its arena row (= next write column)
-    budget: int                        # tokens it may still sample this turn
-    out: list[int] = field(default_factory=list)
-    lps: list[float] = field(default_factory=list)
-    alive: bool = True
+    budget: int                        # tokens it may sample this turn
+    alive: bool = True                 # as of the last `_collect`; the device's `_st` row ALIVE is the truth
 
 
 # --------------------------------------------------------------------------------------------------
@@ -211,6 +214,21 @@ class _Row:
 # The cost is in `stats`: kv_offloaded/reloaded/dropped_tokens, kv_offload_s (copy seconds, including pinning
 # new blocks), kv_peak_resident_gib (arena + resident caches, from tensor sizes), kv_host_gib (pinned host
 # memory held by the pool) and kv_host_alloc_s (seconds spent allocating it).
+
+
+# Decode state on the device. A decode step must not wait for the host: the rows' pending tokens, lengths,
+# budgets and outputs live in device tensors that the step updates itself, so a step is the forward (one
+# graph replay), ~15 small sampling/update kernels and ONE device-to-host copy of the rows' counters. The
+# host learns from that copy which rows finished and only then touches them (cache out, results, scheduling),
+# with one more copy for their tokens. `_st` (6, B) int64, one column per arena row:
+TOK, LEN, LEFT, NOUT, ALIVE, DONE = range(6)
+# TOK the token fed at the next decode step (the last sampled; the pad for dead and unused rows); LEN tokens
+# in the row's arena row (its next write column; frozen once the row is dead); LEFT sampling budget left;
+# NOUT tokens sampled this turn (the next column of `_out`/`_lps`); ALIVE 1 while sampling; DONE 1 on the
+# sample that finished the row (stop id or budget). Sampled tokens and log-probs go to `_out`/`_lps`
+# (B, T + 1) at column NOUT (column T is scratch for dead rows); a sampling engine pre-draws each row's
+# uniforms into `_u` (B, T + 1) from a copy of its episode's generator, and advances the generator by the
+# number actually used when the row finishes, so draws stay one per sampled token as in `plain_turn`.
 
 
 class Engine:
@@ -262,10 +280,15 @@ class Engine:
         self._in_run: set[Hashable] = set()         # episodes of the running `step` (not evicted for its rows)
         # offloaded caches live here; kv_host_block = bytes per block (a power of two when pinned)
         self._pool = HostPool(kv_host_block, pin=self.device.type == "cuda")
-        self.stats = dict(prefill_tokens=0, prefill_positions=0, decode_tokens=0, decode_positions=0,
+        V = self.head.weight.shape[0]
+        self._stop = torch.zeros(V, dtype=torch.bool)                # (V,) True at stop ids, on the device
+        self._stop[[t for t in self.stop_ids if 0 <= t < V]] = True  # (larger ids are never sampled)
+        self._stop = self._stop.to(self.device)
+        self.stats = dict(prefill_tokens=0, prefill_positions=0, decode_tokens=0, decode_positions=0, decode_steps=0,
                           forwards=0, admissions=0, compactions=0, rewinds=0, kv_offloaded_tokens=0,
                           kv_reloaded_tokens=0, kv_dropped_tokens=0, kv_offload_s=0.0, kv_peak_resident_gib=0.0,
-                          kv_host_gib=0.0, kv_host_alloc_s=0.0, arena_rows_max=0)
+                          kv_host_gib=0.0, kv_host_alloc_s=0.0, arena_rows_max=0, admit_s=0.0,
+                          graph_capture_s=0.0)
 
     # ---- public API --------------------------------------------------------------------------------
 
@@ -360,21 +383,31 @@ class Engine:
         self._kv_resident()
         self.stats["arena_rows_max"] = max(self.stats["arena_rows_max"], B)
         self.rows: list[_Row] = []
+        self._n_alive = 0
+        T = max(b for _, b in queue)
+        dev = self.device
+        self._st = torch.zeros(6, B, dtype=torch.long, device=dev)       # the decode state, see above `Engine`
+        self._st[TOK] = self.pad_id
+        self._lens = [0] * B                                              # host copy of _st[LEN] at the last collect
+        self._out = torch.zeros(B, T + 1, dtype=torch.long, device=dev)  # (B, T + 1) sampled ids
+        self._lps = torch.zeros(B, T + 1, dtype=torch.float32, device=dev)
+        self._u = torch.zeros(B, T + 1, device=dev) if self.temperature > 0 else None
+        self._cols = torch.arange(cap, device=dev)                        # (C,) for the masks
+        self._last0 = torch.zeros(B, dtype=torch.long, device=dev)       # (B,) decode: logits at j = 0
         self._in_run = {e for e, _ in queue}
         # similar feed lengths prefill together (less padding)
         queue = sorted(queue, key=lambda q: len(eps[q[0]].ids) - eps[q[0]].n_cached)
         try:
-            while queue or self.rows:
-                n_alive = sum(r.alive for r in self.rows)
-                free = B - n_alive
-                admit = bool(queue) and (free >= min(admit_min, len(queue)) or n_alive == 0)
-                n_dead = len(self.rows) - n_alive
-                if n_dead and (admit or n_dead >= self.compact_min or n_alive == 0):
+            while queue or self._n_alive:
+                free = B - self._n_alive
+                admit = bool(queue) and (free >= min(admit_min, len(queue)) or self._n_alive == 0)
+                n_dead = len(self.rows) - self._n_alive
+                if n_dead and (admit or n_dead >= self.compact_min or self._n_alive == 0):
                     self._compact()
                 if admit:
                     group, queue = queue[:free], queue[free:]
                     self._admit(group, results)
-                if any(r.alive for r in self.rows):
+                if self._n_alive:
                     self._decode(results)
         except BaseException:
             self._graph = None
@@ -383,21 +416,33 @@ class Engine:
                     self.release(r.eid)
             raise
         finally:
-            self._graph = None                   # it points into the arena: drop it first
+            self._graph = None                   # it points into the arena and the state: drop it first
             self.arena, self.rows, self._in_run = None, [], set()
+            self._st = self._out = self._lps = self._u = self._cols = self._last0 = None
 
     def _compact(self) -> None:
         """Move alive rows to the front of the arena (in place, increasing order: never overwrites a source)."""
         keep = [i for i, r in enumerate(self.rows) if r.alive]
         for new, old in enumerate(keep):
             if new != old:
-                n = self.rows[old].length
+                n = self._lens[old]
                 self.arena[:, :, new, :, :n] = self.arena[:, :, old, :, :n]
+        k, idx = len(keep), self._h2d(keep)
+        for t in (self._out, self._lps, self._u):
+            if t is not None:
+                t[:k] = t[idx]                                   # (k, T + 1); the gather copies first
+        self._st[:, :k] = self._st[:, idx]
+        self._st[:, k:] = 0                                      # freed rows: dead, decoding a pad at column 0
+        self._st[TOK, k:] = self.pad_id
+        self._lens = [self._lens[i] for i in keep] + [0] * (len(self._lens) - k)
         self.rows = [self.rows[i] for i in keep]
         self.stats["compactions"] += 1
 
     def _admit(self, group: list[tuple[Hashable, int]], results: dict) -> None:
-        """Load the group's caches into free rows, prefill their new tokens (in chunks of rows), sample one token."""
+        """Load the group's caches into free rows, prefill their new tokens (in chunks of rows), sample one token.
+
+        Its wall time goes to stats["admit_s"]: the stream is idle at entry and `_collect` syncs at the end."""
+        t0 = time.perf_counter()
         self.stats["admissions"] += 1
         r0 = len(self.rows)
         on_host = any(isinstance(self.episodes[e].kv, HostKV) for e, _ in group)
@@ -412,7 +457,16 @@ class Engine:
                     dst.copy_(ep.kv)
                 ep.kv = None                                     # the arena owns it until the row finishes
                 self._resident.pop(eid, None)
-                self.rows.append(_Row(eid, ep.n_cached, budget))
+                self.rows.append(_Row(eid, budget))
+                self._lens[r0 + i] = ep.n_cached
+        self._n_alive += len(group)
+        if self._u is not None:   # each row's uniforms for its whole budget, from a copy of its generator
+            u = torch.zeros(len(group), self._u.shape[1])                                  # (k, T + 1)
+            for i, (eid, budget) in enumerate(group):
+                g = torch.Generator()
+                g.set_state(self.episodes[eid].gen.get_state())
+                u[i, :budget] = torch.rand(budget, generator=g)
+            self._u[r0:r0 + len(group)] = u.to(self.device, non_blocking=True)
         C = self.arena.shape[4]
         i = 0
         while i < len(group):    # chunks of rows with <= prefill_tokens positions whose padded feeds fit C
@@ -425,86 +479,121 @@ class Engine:
                 q, start, j = q2, start2, j + 1
             self._prefill(r0 + i, r0 + j, results)
             i = j
+        self.stats["admit_s"] += time.perf_counter() - t0
 
     def _prefill(self, a: int, b: int, results: dict) -> None:
         """Feed rows a..b-1 their pending + new tokens, right-padded to the longest; sample each row's first token."""
         rows = self.rows[a:b]
-        feeds = [self.episodes[r.eid].ids[r.length:] for r in rows]
+        feeds = [self.episodes[r.eid].ids[n:] for r, n in zip(rows, self._lens[a:b])]
         q = max(map(len, feeds))
-        ids = torch.tensor([f + [self.pad_id] * (q - len(f)) for f in feeds], device=self.device)   # (B, q)
-        start = torch.tensor([r.length for r in rows], device=self.device)                          # (B,)
-        last = torch.tensor([len(f) - 1 for f in feeds], device=self.device)                        # (B,)
+        ids = self._h2d([f + [self.pad_id] * (q - len(f)) for f in feeds])                          # (B, q)
+        start = self._h2d(self._lens[a:b])                                                          # (B,)
+        last = self._h2d([len(f) - 1 for f in feeds])                                               # (B,)
         logits = self._forward(a, b, ids, start, last)                                              # (B, V)
-        for r, f in zip(rows, feeds):
-            r.length += len(f)
+        for i, (r, f) in enumerate(zip(rows, feeds)):
+            self._lens[a + i] += len(f)
             self.fed[r.eid] = self.fed.get(r.eid, 0) + len(f)
         self.stats["prefill_tokens"] += sum(map(len, feeds))
         self.stats["prefill_positions"] += ids.numel()
-        self._sample(list(range(a, b)), logits, results)
+        k = b - a                                # the rows' state: all alive, whole budget, nothing sampled
+        self._st[LEN:, a:b] = self._h2d([self._lens[a:b], [r.budget for r in rows], [0] * k, [1] * k, [0] * k])
+        self._sample(a, b, logits, results)
 
     def _decode(self, results: dict) -> None:
         """One token for every row in the arena (dead rows ride along until compaction; their output is dropped).
 
         With CUDA graphs the step always covers all arena rows (unused ones decode a pad at column 0), so one
         graph, captured on the first decode of a `step` call, serves every decode of that call."""
-        rows = self.rows
-        n = self.arena.shape[2] if self.static_batch else len(rows)
-        alive = [i for i, r in enumerate(rows) if r.alive]
-        ids = torch.tensor([[r.out[-1] if r.alive else self.pad_id] for r in rows] + [[self.pad_id]] * (n - len(rows)),
-                           device=self.device)                                                          # (B, 1)
-        start = torch.tensor([r.length for r in rows] + [0] * (n - len(rows)), device=self.device)       # (B,)
+        n = self.arena.shape[2] if self.static_batch else len(self.rows)
+        ids, start = self._st[TOK, :n, None], self._st[LEN, :n]                                      # (B, 1), (B,)
         if self.cuda_graphs:
             logits = self._graph_forward(ids, start)
         else:
-            logits = self._forward(0, n, ids, start, torch.zeros_like(start))                          # (B, V)
-        for i in alive:
-            rows[i].length += 1
-            self.fed[rows[i].eid] += 1
-        self.stats["decode_tokens"] += len(alive)
+            logits = self._forward(0, n, ids, start, self._last0[:n])                                 # (B, V)
+        start += self._st[ALIVE, :n]                             # the fed token is cached now (start is _st[LEN])
         self.stats["decode_positions"] += n
-        self._sample(alive, logits[alive], results)
+        self.stats["decode_steps"] += 1
+        self._sample(0, n, logits, results)
 
     def _graph_forward(self, ids: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
         """The decode forward through a CUDA graph (static ids/start buffers in, static logits out).
 
-        The first call runs the step eagerly on a side stream (a real step: it writes the same K/V the graph
-        will), then captures it. A capture failure switches graphs off for this engine and records why."""
+        ids and start are views of `_st`, the same memory at every step of a `step` call: the graph reads them
+        in place. The first call runs the step eagerly on a side stream (a real step: it writes the same K/V the
+        graph will), then captures it. A capture failure switches graphs off for this engine and records why."""
         if self._graph is not None:
-            self._g_in[0].copy_(ids), self._g_in[1].copy_(start)
             self._graph.replay()
             self.stats["graph_replays"] = self.stats.get("graph_replays", 0) + 1
             return self._g_out
-        self._g_in = (ids.clone(), start.clone(), torch.zeros_like(start))
+        B, t0 = ids.shape[0], time.perf_counter()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            out = self._forward(0, ids.shape[0], *self._g_in).clone()          # warm-up = this step's result
+            out = self._forward(0, B, ids, start, self._last0).clone()         # warm-up = this step's result
         torch.cuda.current_stream().wait_stream(side)
         try:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                self._g_out = self._forward(0, ids.shape[0], *self._g_in)
+                self._g_out = self._forward(0, B, ids, start, self._last0)
             self._graph = graph
             self.stats["graph_captures"] = self.stats.get("graph_captures", 0) + 1
         except RuntimeError as e:   # capture is best effort: eager decode stays correct
             self.cuda_graphs, self.graph_error, self._graph = False, f"{type(e).__name__}: {str(e)[:300]}", None
+        torch.cuda.synchronize(self.device)                  # once per `step` call: time the warm-up + capture
+        self.stats["graph_capture_s"] += time.perf_counter() - t0
         return out
 
-    def _sample(self, idx: list[int], logits: torch.Tensor, results: dict) -> None:
-        """Sample for rows idx (logits (len(idx), V)); finished rows copy their cache out and report."""
-        rows = [self.rows[i] for i in idx]
-        gens = [self.episodes[r.eid].gen for r in rows]
-        toks, lps = sample_next(logits, gens, self.temperature, self.top_p, self.top_k)
-        for i, r, t, lp in zip(idx, rows, toks.tolist(), lps.tolist()):
-            r.out.append(t), r.lps.append(lp)
-            r.budget -= 1
-            if t in self.stop_ids or r.budget <= 0:
-                ep = self.episodes[r.eid]
-                ep.ids.extend(r.out)
-                assert r.length == len(ep.ids) - 1, "cache must hold all but the pending sampled token"
-                self._store(ep, r.eid, self.arena[:, :, i, :, :r.length])   # (layers, 2, Hkv, n, D) view
-                results[r.eid] = (r.eid, r.out, r.lps, "stop" if t in self.stop_ids else "length")
-                r.alive = False
+    def _sample(self, a: int, b: int, logits: torch.Tensor, results: dict) -> None:
+        """Sample for arena rows a..b-1 (logits (b - a, V)) and update their state on the device (dead and unused
+        rows sample too; their draws are dropped), then `_collect`."""
+        tok, _, left, nout, alive, done = self._st[:, a:b]                      # (b - a,) views each
+        col = nout[:, None]                                                      # (b - a, 1) output column
+        u = None if self._u is None else self._u[a:b].gather(1, col).squeeze(1)                 # (b - a,)
+        ids, lps = sample_rows(logits, u, self.temperature, self.top_p, self.top_k)             # (b - a,) each
+        self._out[a:b].scatter_(1, col, ids[:, None])
+        self._lps[a:b].scatter_(1, col, lps[:, None])
+        tok.copy_(ids.masked_fill(alive == 0, self.pad_id))
+        nout += alive
+        left -= alive
+        torch.bitwise_and(alive, self._stop[ids] | (left <= 0), out=done)
+        alive -= done
+        self._collect(a, b, results)
+
+    def _collect(self, a: int, b: int, results: dict) -> None:
+        """The host's one sync per sample: read rows a..b-1's counters; rows that finished copy their cache out
+        and report (one more copy, for their tokens)."""
+        lens, _, nout, _, done = self._fetch(self._st[LEN:, a:b])[0]
+        self._lens[a:b] = lens
+        fin = [i for i, d in enumerate(done) if d]
+        if not fin:
+            return
+        lo, hi, m = fin[0], fin[-1] + 1, max(nout[i] for i in fin)
+        out, lps = self._fetch(self._out[a + lo:a + hi, :m], self._lps[a + lo:a + hi, :m])
+        for i in fin:
+            r, n = self.rows[a + i], nout[i]
+            toks, lp = out[i - lo][:n], lps[i - lo][:n]
+            ep = self.episodes[r.eid]
+            ep.ids.extend(toks)
+            assert lens[i] == len(ep.ids) - 1, "cache must hold all but the pending sampled token"
+            if self._u is not None:
+                torch.rand(n, generator=ep.gen)                   # the n uniforms the row used
+            self.fed[r.eid] += n - 1                              # its decode steps fed one token each
+            self.stats["decode_tokens"] += n - 1
+            self._store(ep, r.eid, self.arena[:, :, a + i, :, :lens[i]])   # (layers, 2, Hkv, n, D) view
+            results[r.eid] = (r.eid, toks, lp, "stop" if toks[-1] in self.stop_ids else "length")
+            r.alive = False
+            self._n_alive -= 1
+
+    def _h2d(self, data) -> torch.Tensor:
+        """Host ints (nested lists) as an int64 tensor on the device, copied without waiting for the stream."""
+        return torch.tensor(data, dtype=torch.long).to(self.device, non_blocking=True)
+
+    def _fetch(self, *tensors: torch.Tensor) -> list[list]:
+        """Small device tensors as host lists, through one stream sync for all of them."""
+        if self.device.type == "cuda":
+            tensors = [t.to("cpu", non_blocking=True) for t in tensors]   # into pinned memory
+            torch.cuda.current_stream(self.device).synchronize()
+        return [t.tolist() for t in tensors]
 
     # ---- KV memory budget ----------------------------------------------------------------------------
 
@@ -591,9 +680,8 @@ class Engine:
     def _forward(self, a: int, b: int, ids: torch.Tensor, start: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
         """Rows a..b-1 of the arena: ids (B, q) written at columns start_b + j; returns logits at j = last_b, (B, V)."""
         B, q = ids.shape
-        C = self.arena.shape[4]
-        pos = start[:, None] + torch.arange(q, device=self.device)                       # (B, q) = columns
-        mask = (torch.arange(C, device=self.device) <= pos[:, :, None])[:, None]         # (B, 1, q, C) causal per row
+        pos = start[:, None] + self._cols[:q]                                            # (B, q) = columns
+        mask = (self._cols <= pos[:, :, None])[:, None]                                  # (B, 1, q, C) causal per row
         rows = torch.arange(B, device=self.device)[:, None]                              # (B, 1)
         cache = Cache(layers=[_RaggedLayer(self.arena[l, 0, a:b], self.arena[l, 1, a:b], rows, pos)
                               for l in range(self.n_layers)])

@@ -23,8 +23,13 @@ same tokens plus max |delta logprob| over the shared prefix (bf16 batching/paddi
 Departures: none from the paper (this is infrastructure). The plain loop uses `generate`'s own defaults
 (on GPU transformers may switch MoE experts to `batched_mm` for decode); the engine uses `--experts`.
 
+Host overhead (`--stub-forward`, preset `host`: the a3b workload on the toy model, the model call replaced by a
+logits-table gather): ms per decode step, the host's critical path (its last read of device values to the next
+model call: what a GPU idles between steps) and host<->device crossings per step, counted on one more turn.
+
 Smoke (CPU, ~1 min): python scripts/bench_generate.py --preset toy --device cpu
                     python scripts/bench_generate.py --preset toy_kv --device cpu
+Host overhead (CPU or GPU, ~30 s): OMP_NUM_THREADS=1 python scripts/bench_generate.py --preset host [--device cuda]
 Full (H200, ~4 min each): python scripts/bench_generate.py --preset small --out bench_small.json
                           python scripts/bench_generate.py --preset a3b --out bench_a3b.json
                           python scripts/bench_generate.py --preset a3b_kv --out bench_a3b_kv.json
@@ -33,6 +38,7 @@ Flags: --field-name VALUE for any BenchConfig field (tyro when installed, else a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -81,10 +87,15 @@ class BenchConfig:
     """MoE experts implementation for the engine: grouped_mm | batched_mm | eager | None (model default)"""
     cuda_graphs: bool = True
     """engine decode through CUDA graphs (falls back to eager, and says why, if capture fails)"""
+    static_batch: bool = False
+    """engine decodes all arena rows every step, as with CUDA graphs (which imply it); for CPU runs"""
     kv_budget_gib: float | None = None
     """engine KV memory on the device (arena + idle caches); None: no limit"""
     kv_evict: str = "offload"
     """what happens to idle caches beyond the budget: offload (to host memory) | drop (re-prefilled later)"""
+    stub_forward: bool = False
+    """host-overhead mode: the engine's model call becomes one gather from a fixed logits table, so a decode step
+    costs only the engine's own work (bookkeeping, sampling, host syncs); the plain loop is skipped"""
     profile_steps: int = 0
     """> 0: one extra turn of this many decode steps under torch.profiler (device time per kernel vs wall)"""
     seed: int = 0
@@ -105,6 +116,9 @@ PRESETS = {
                           kv_budget_gib=40.0),
     # the toy model (512 bytes per token in fp32) within 0.4 MiB: 3-6 arena rows, most idle caches evicted
     "toy_kv": BenchConfig(preset="toy_kv", model="toy", kv_budget_gib=0.0004),
+    # the a3b workload (32 episodes, 80-160 sampled tokens a turn) on the toy model with a stubbed forward
+    "host": BenchConfig(preset="host", model="toy", episodes=32, turns=8, plain_turns=0, prompt_tokens=512,
+                        obs_tokens=384, new_tokens=160, stub_forward=True, static_batch=True),
 }
 
 MODELS = {   # Qwen3MoeConfig kwargs
@@ -222,6 +236,92 @@ def profile_decode(eng, episodes: list, steps: int, toks, device: str) -> dict:
     return out
 
 
+class CriticalPath:
+    """Host seconds from the engine's last read of device values (`Tensor.tolist`, which waits for the stream)
+    to its next model call: the time a GPU would idle between steps. Patches Tensor.tolist while active."""
+
+    def __init__(self):
+        self.read_t, self.gaps, self.on = None, [], False
+
+    def model_call(self):
+        if self.on and self.read_t is not None:
+            self.gaps.append(time.perf_counter() - self.read_t)
+        self.read_t = None
+
+    def __enter__(self):
+        tolist, cp = torch.Tensor.tolist, self
+
+        def timed_tolist(t):
+            out = tolist(t)
+            cp.read_t = time.perf_counter()
+            return out
+
+        self._saved, torch.Tensor.tolist, self.on, self.read_t = tolist, timed_tolist, True, None
+        return self
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist, self.on = self._saved, False
+
+
+def stub_forward(eng: Engine, device: str, seed: int, cp: CriticalPath) -> None:
+    """Host-overhead mode: the engine's model call returns row `last id % 64` of a fixed (64, V) logits table.
+    One gather kernel, capturable in a CUDA graph; the arena is still allocated but never written."""
+    V = eng.head.weight.shape[0]
+    table = (4 * torch.randn(64, V, generator=torch.Generator().manual_seed(seed))).to(device)   # (64, V)
+
+    def forward(a, b, ids, start, last):             # ids (B, q), last (B,) -> logits (B, V)
+        cp.model_call()
+        eng.stats["forwards"] += 1
+        return table[ids.gather(1, last[:, None]).squeeze(1) % 64]
+
+    eng._forward = forward
+
+
+class HostCalls(torch.overrides.TorchFunctionMode):
+    """Counts the engine's host<->device crossings by the torch call that makes them: reads of tensor values on
+    the host (each a stream sync on CUDA unless the data is already on the host) and tensors built from host
+    data or indexed with host lists (each an H2D copy; a blocking one when made with device=)."""
+    READS = {"tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"}
+
+    def __init__(self):
+        super().__init__()
+        self.reads, self.h2d, self.calls = 0, 0, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        self.calls += 1
+        if name in self.READS:
+            self.reads += 1
+        elif name in ("tensor", "as_tensor") and "device" in kwargs:
+            self.h2d += 1
+        elif name in ("__getitem__", "__setitem__") and any(isinstance(a, list) for a in
+                                                            (args[1] if isinstance(args[1], tuple) else (args[1],))):
+            self.h2d += 1
+        return func(*args, **kwargs)
+
+
+def count_syncs(eng: Engine, reqs: list, device: str) -> dict:
+    """One more turn under HostCalls (and on CUDA under torch's sync debug mode): crossings per decode step."""
+    import warnings
+    steps0 = eng.stats["decode_steps"]
+    with warnings.catch_warnings(record=True) as caught, HostCalls() as calls:
+        warnings.simplefilter("always")
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            eng.step(reqs)
+        finally:
+            if device == "cuda":
+                torch.cuda.set_sync_debug_mode(0)
+    steps = max(1, eng.stats["decode_steps"] - steps0)
+    out = dict(decode_steps=steps, host_reads_per_step=calls.reads / steps, h2d_per_step=calls.h2d / steps,
+               torch_calls_per_step=calls.calls / steps)
+    if device == "cuda":
+        out["cuda_syncs_per_step"] = sum("synchroniz" in str(w.message) for w in caught) / steps
+    return out
+
+
 def main(cfg: BenchConfig) -> int:
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
     dtype = (getattr(torch, cfg.dtype) if cfg.dtype != "auto"
@@ -240,12 +340,18 @@ def main(cfg: BenchConfig) -> int:
                for _ in range(cfg.episodes)]
     eng = Engine(model, None, max_batch=cfg.max_batch or cfg.episodes, max_new_tokens=cfg.new_tokens,
                  temperature=cfg.temperature, seed=cfg.seed, stop_ids=stop_ids, experts=cfg.experts,
-                 cuda_graphs=cfg.cuda_graphs, kv_budget_gib=cfg.kv_budget_gib, kv_evict=cfg.kv_evict)
+                 cuda_graphs=cfg.cuda_graphs, static_batch=cfg.static_batch, kv_budget_gib=cfg.kv_budget_gib,
+                 kv_evict=cfg.kv_evict)
 
+    cp = CriticalPath()
+    if cfg.stub_forward:
+        stub_forward(eng, device, cfg.seed, cp)
+        cfg = dataclasses.replace(cfg, plain_turns=0)
     # warm-up (CUDA context, kernels, allocator) for both paths, then forget the warm-up episode
     eng.step([("warmup", toks(16), 4)])
     eng.release("warmup")
-    plain_turn_batch(model, [toks(16)], [4], stop_ids, cfg, device)
+    if cfg.plain_turns:
+        plain_turn_batch(model, [toks(16)], [4], stop_ids, cfg, device)
     eng.stats = {k: 0 for k in eng.stats}
 
     convs = [[] for _ in range(cfg.episodes)]
@@ -262,10 +368,19 @@ def main(cfg: BenchConfig) -> int:
             sync(device)
             row.update(plain_s=time.perf_counter() - a, plain_tokens=sum(len(p[0]) for p in plain))
         sync(device)
-        a, copy_s = time.perf_counter(), eng.stats["kv_offload_s"]
-        outs = eng.step([(e, obs[e][t], budgets[e][t]) for e in range(cfg.episodes)])
+        a, copy_s, steps = time.perf_counter(), eng.stats["kv_offload_s"], eng.stats["decode_steps"]
+        cpu = time.process_time()
+        # (.get: the same script also times engines from before these two timers)
+        admit_s, capture_s = eng.stats.get("admit_s", 0.0), eng.stats.get("graph_capture_s", 0.0)
+        with cp if cfg.stub_forward else contextlib.nullcontext():
+            outs = eng.step([(e, obs[e][t], budgets[e][t]) for e in range(cfg.episodes)])
         sync(device)
-        row.update(engine_s=time.perf_counter() - a, engine_tokens=sum(len(o[1]) for o in outs))
+        row.update(engine_s=time.perf_counter() - a, engine_cpu_s=time.process_time() - cpu,
+                   engine_tokens=sum(len(o[1]) for o in outs),
+                   decode_steps=eng.stats["decode_steps"] - steps)
+        row["ms_per_step"] = 1e3 * row["engine_s"] / max(1, row["decode_steps"])   # prefill included
+        row.update(admit_s=eng.stats.get("admit_s", 0.0) - admit_s,
+                   capture_s=eng.stats.get("graph_capture_s", 0.0) - capture_s)
         if cfg.kv_budget_gib is not None:
             row["kv_copy_s"] = eng.stats["kv_offload_s"] - copy_s
         if t < cfg.plain_turns and cfg.temperature <= 0:      # token identity under greedy decoding
@@ -282,6 +397,10 @@ def main(cfg: BenchConfig) -> int:
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
 
     k = min(cfg.plain_turns, cfg.turns)
+    steps = sum(r["decode_steps"] for r in rows)
+    syncs = None
+    if cfg.stub_forward:   # after the timed turns: counting slows every torch call
+        syncs = count_syncs(eng, [(e, toks(cfg.obs_tokens // 2), budgets[e][-1]) for e in range(cfg.episodes)], device)
     tps = lambda rs, key: sum(r[f"{key}_tokens"] for r in rs) / max(1e-9, sum(r[f"{key}_s"] for r in rs))
     res = dict(config=dataclasses.asdict(cfg), device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
                params_b=n_params / 1e9, dtype=str(dtype), torch=torch.__version__,
@@ -290,6 +409,14 @@ def main(cfg: BenchConfig) -> int:
                plain_tok_s_first_k=tps(rows[:k], "plain") if k else None, plain_turns_run=k,
                identical_turns=f"{same}/{total_cmp}" if total_cmp else None,
                max_abs_dlogprob=max_dlp if total_cmp else None,
+               engine_ms_per_step=1e3 * sum(r["engine_s"] for r in rows) / max(1, steps),
+               engine_cpu_ms_per_step=1e3 * sum(r["engine_cpu_s"] for r in rows) / max(1, steps),
+               admit_s=sum(r["admit_s"] for r in rows), capture_s=sum(r["capture_s"] for r in rows),
+               decode_ms_per_step=1e3 * sum(r["engine_s"] - r["admit_s"] - r["capture_s"] for r in rows)
+               / max(1, steps),
+               engine_tok_per_step=sum(r["engine_tokens"] for r in rows) / max(1, steps), syncs=syncs,
+               critical_ms_per_step=1e3 * sum(cp.gaps) / max(1, steps) if cfg.stub_forward else None,
+               critical_ms_median=1e3 * sorted(cp.gaps)[len(cp.gaps) // 2] if cp.gaps else None,
                engine_stats=eng.stats, engine_cuda_graphs=eng.cuda_graphs, graph_error=eng.graph_error, turns=rows,
                kv_all_episodes_gib=sum(map(len, convs)) * eng.kv_token_bytes / 2 ** 30)
     if k:
@@ -305,18 +432,35 @@ def main(cfg: BenchConfig) -> int:
     print(f"{cfg.episodes} episodes x {cfg.turns} turns (plain: first {k}), obs <= {cfg.obs_tokens}, "
           f"new <= {cfg.new_tokens}, max_batch {cfg.max_batch or cfg.episodes}, T={cfg.temperature}, "
           f"KV budget {cfg.kv_budget_gib} GiB ({cfg.kv_evict})\n")
-    print("| turn | mean context | plain s | engine s | plain tok | engine tok | identical rows |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print("| turn | mean context | plain s | engine s | plain tok | engine tok | decode steps | engine ms/step "
+          "| identical rows |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         plain_s = f"{r['plain_s']:.2f}" if "plain_s" in r else "-"
         print(f"| {r['turn']} | {r['mean_context']:.0f} | {plain_s} | {r['engine_s']:.2f} | "
-              f"{r.get('plain_tokens', '-')} | {r['engine_tokens']} | {r.get('identical_rows', '-')} |")
+              f"{r.get('plain_tokens', '-')} | {r['engine_tokens']} | {r['decode_steps']} | {r['ms_per_step']:.2f} "
+              f"| {r.get('identical_rows', '-')} |")
     print("\n| metric | value |\n|---|---:|")
     if k:
         print(f"| plain tok/s (turns 0..{k - 1}) | {res['plain_tok_s_first_k']:.1f} |")
         print(f"| engine tok/s (turns 0..{k - 1}) | {res['engine_tok_s_first_k']:.1f} |")
         print(f"| speedup (same turns; a lower bound for more turns) | {res['speedup_first_k']:.1f}x |")
     print(f"| engine tok/s (all {cfg.turns} turns) | {res['engine_tok_s']:.1f} |")
+    print(f"| engine ms per decode step (turn seconds incl. prefill / decode steps); sampled tokens per step | "
+          f"{res['engine_ms_per_step']:.2f}; {res['engine_tok_per_step']:.1f} |")
+    print(f"| engine seconds in admissions (cache loads, prefill, first sample); in graph captures | "
+          f"{res['admit_s']:.2f}; {res['capture_s']:.2f} |")
+    print(f"| ms per decode step without them | {res['decode_ms_per_step']:.2f} |")
+    print(f"| host CPU ms per decode step (process time, all threads, incl. admissions) | "
+          f"{res['engine_cpu_ms_per_step']:.2f} |")
+    if syncs:
+        print(f"| host critical path (last device read to next model call): per decode step incl. finishes and "
+              f"admissions; median gap | {res['critical_ms_per_step']:.3f} ms; {res['critical_ms_median']:.3f} ms |")
+        print(f"| host reads / host-built device tensors / torch calls per decode step (one more turn, counted) | "
+              f"{syncs['host_reads_per_step']:.2f} / {syncs['h2d_per_step']:.2f} / "
+              f"{syncs['torch_calls_per_step']:.1f} |")
+        if "cuda_syncs_per_step" in syncs:
+            print(f"| CUDA syncs per decode step (torch sync debug mode) | {syncs['cuda_syncs_per_step']:.2f} |")
     print(f"| engine CUDA graphs | {eng.cuda_graphs} ({eng.stats.get('graph_replays', 0)} replays"
           f"{'; off: ' + eng.graph_error if eng.graph_error else ''}) |")
     if total_cmp:
