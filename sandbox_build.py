@@ -209,19 +209,22 @@ def guard_library(cfg: SandboxConfig) -> str:
         tdir = os.path.dirname(os.path.abspath(torch.__file__))
         lib = os.path.join(tdir, "lib")
         cxx = os.environ.get("CXX", "g++")
-        flags = ["-O2", "-shared", "-fPIC", "-std=c++20", "-w",
-                 f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", "-I", os.path.join(tdir, "include"),
-                 f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
+        flags = ["-O2", "-shared", "-fPIC", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+                 "-I", os.path.join(tdir, "include"), f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
         with open(GUARD_SRC, "rb") as f:
             key = hashlib.sha256(f.read() + f"|{torch.__version__}|{tdir}|{flags}|{_compiler_version(cxx)}".encode())
         so = os.path.join(os.path.expanduser(cfg.cache_dir), "guard", key.hexdigest()[:16], "sandbox_guard.so")
         if not os.path.exists(so):
             os.makedirs(os.path.dirname(so), exist_ok=True)
             tmp = f"{so}.{secrets.token_hex(4)}"
-            try:
-                r = subprocess.run([cxx, GUARD_SRC, "-o", tmp, *flags], capture_output=True, text=True, timeout=600)
-            except (OSError, subprocess.SubprocessError) as e:
-                raise SandboxError(f"cannot build the dispatch guard ({cxx}): {e}") from None
+            for std in ("c++17", "c++20"):  # C++17 parses torch's headers in ~0.6x the time, where they allow it
+                try:
+                    r = subprocess.run([cxx, f"-std={std}", GUARD_SRC, "-o", tmp, *flags], capture_output=True,
+                                       text=True, timeout=600)
+                except (OSError, subprocess.SubprocessError) as e:
+                    raise SandboxError(f"cannot build the dispatch guard ({cxx}): {e}") from None
+                if r.returncode == 0:
+                    break
             if r.returncode != 0:
                 raise SandboxError(f"cannot build the dispatch guard: {cxx} failed: "
                                    f"{sandbox_child.last_line(trim_log(r.stderr, False))}")
