@@ -4,12 +4,13 @@ Every reward in training and every number in evaluation comes from `check()`. Th
 imports candidate code: each compile, reference run and candidate run is its own child process
 (`python sandbox_worker.py JOBFILE`) inside bubblewrap, and the host compares the candidate's outputs
 with reference outputs that only the host holds. Candidate children are started ahead of time (warm
-spares: torch imported, CUDA up) and each serves exactly one candidate; so is one reference child per GPU
-(torch.compile's modules imported too). Files: this one (what runs, the verdict), sandbox_child.py
-(isolation, the child and its channel, the spares), sandbox_build.py (kernel
-compiles, load_inline builds), sandbox_reference.py (reference children, seed pools, baselines),
-sandbox_rules.py (static scan, comparison), sandbox_worker.py (inside the child), workspace.py (reading
-untrusted files, validating task and solution files).
+spares: torch imported, CUDA up) and each serves exactly one candidate; so do two reference children per
+GPU (torch.compile's modules imported too). Files: this one (what runs, the verdict), sandbox_child.py
+(isolation, the child and its channel), sandbox_spares.py (the warm children), sandbox_build.py (kernel
+compiles, load_inline builds, the dispatch guard's build), sandbox_reference.py (reference children, seed
+pools, baselines), sandbox_rules.py (static scan, comparison), sandbox_worker.py (inside the child, with
+sandbox_inline.py and sandbox_guard.cpp), workspace.py (reading untrusted files, validating task and
+solution files).
 
 Threat model. COVERED:
   * Isolation per job: bwrap (`--unshare-all`: no network, own pid/ipc/uts namespaces; `/` read-only,
@@ -96,12 +97,13 @@ from dataclasses import dataclass, field
 import sandbox_worker
 import workspace
 from sandbox_build import build_inline, compile_workspace, copy_build, guard_library, trim_log  # noqa: F401
-from sandbox_child import (HARNESS_DIR, Child, ChildResult, SandboxError, Spares, bwrap_argv,  # noqa: F401
-                           hidden, hidden_candidate, interruptible, isolation, last_line, new_jobdir, require_device,
-                           run_child, settle, warm_spares)
+from sandbox_child import (HARNESS_DIR, Child, ChildResult, SandboxError, bwrap_argv, hidden,  # noqa: F401
+                           hidden_candidate, interruptible, isolation, last_line, new_jobdir, require_device,
+                           run_child, settle)
 from sandbox_reference import (BASELINE_TIMING, REF_SPARES, ref_spare, baseline_cache, baseline_entry,  # noqa: F401
                                baselines, device_name, precision_of, prewarm, reference_pool, retime, run_reference)
 from sandbox_rules import compare, sketch_close, static_scan
+from sandbox_spares import Spares, warm_spares  # noqa: F401
 from workspace import TaskError, WorkspaceError, looks_like_path, python_error, read_file, read_task  # noqa: F401
 
 

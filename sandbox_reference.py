@@ -18,7 +18,8 @@ import threading
 from typing import TYPE_CHECKING
 
 import sandbox_worker
-from sandbox_child import Child, Spares, isolation, new_jobdir, run_child, settle, visible_devices, warm_spares
+from sandbox_child import Child, isolation, new_jobdir, run_child, settle, visible_devices
+from sandbox_spares import Spares, warm_spares
 from workspace import TaskError, read_task
 
 if TYPE_CHECKING:
