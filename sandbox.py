@@ -39,17 +39,19 @@ Threat model. COVERED:
     (2) the profiler's aten list, re-checked on the host; (3) a static scan (sandbox_rules.py) that also
     refuses frame, traceback and gc introspection, raw-memory ctypes, and patches of torch, numpy, clocks
     or the harness.
-  * Host memory: messages are JSON with tensors as raw frames (nothing is unpickled); the host compares
-    each reply as it arrives, a chunk at a time (on the check's GPU when it can: `compare_on`), and keeps
-    none of its tensors; a message over 2 x the reference output (+16 MB) is refused from its header.
+  * Host memory: messages are JSON with tensors as raw frames (nothing is unpickled), or, for a trial's
+    outputs, at offsets in a memfd the host created and sealed against shrinking (so the child cannot make
+    the host's reads fault) and bounds-checks every offset in; the host compares each reply as it arrives,
+    a chunk at a time (on the check's GPU when it can: `compare_on`), and keeps none of its tensors; a
+    message over 2 x the reference output (+16 MB) is refused from its header.
     Reference children send one seed's outputs per message, so a child holds about one output on the host.
   * Timing: clocks and the torch functions of the checks bound before candidate import; a device-wide
     sync around every timed call; NaN-filled free memory and an L2 flush before each; the child's clock
     must agree with the host's over the same spans. Baselines: eager and compiled in interleaved rounds,
     the minimum round median kept, re-timed in a new child before a speedup tier is awarded on a baseline
     from a single run (`Verdict.timings["baseline"]`, `["baseline_retimed"]`).
-  * No state survives a check: one candidate per process (a warm spare is killed after its one job), job
-    dirs are deleted, the cache is hidden, and a load_inline source is built once by a child that sees no
+  * No state survives a check: one candidate per process (a warm spare is killed once its result is in,
+    and nothing is timed on its GPU until it has exited: `settle`), job dirs are deleted, the cache is hidden, and a load_inline source is built once by a child that sees no
     input; checked runs get a private copy of that build dir.
 NOT COVERED (known gaps):
   * Native code in the candidate's process can do anything that process can: read its memory (the current
