@@ -182,6 +182,11 @@ class TrainConfig:
     independent of the critic being fitted); --value-lam 0.95 = stage 4's targets (not stated in the paper)"""
     agent_steps: int = 8
     """stage 4: agentic PPO steps (paper: 150)"""
+    mixed_probe: int = 4
+    """stage 4: before its first step, sample the RFT actor this many times on every task and train stage 4 on
+    the tasks it passed in some but not all of them (`mixed_tasks`; none such: all tasks); 0 = all tasks.
+    Ours (the paper's 6K tasks are not filtered this way); like DAPO's dynamic sampling, which drops prompts
+    whose samples all pass or all fail: such a batch gives PPO no contrast to learn from"""
     checkpoint_every: int = 1
     """write a checkpoint every N steps (and at the end of each stage)"""
     verbose: bool = False
@@ -211,7 +216,8 @@ PRESETS = {
         lr_actor=3e-5, lr_rft=None, lr_critic=6e-5, lr_head=1e-4, kl_coef=0.0,  # ours: ~10x the paper's rates
         batch_size=1024, micro_batch_size=1, ppo_epochs=1, num_minibatches=1,  # "one update per batch"
         lam=0.95, warmup_steps=50, rft_rollouts=1024, rft_steps=200, rft_batch_size=64,  # ours (not stated)
-        value_pretrain_steps=50, agent_steps=150, checkpoint_every=1, sample_every=10, kv_budget_gib=40.0),
+        value_pretrain_steps=50, agent_steps=150, checkpoint_every=1, sample_every=10, kv_budget_gib=40.0,
+        mixed_probe=0),                      # the paper trains on all its tasks
 }
 
 
@@ -491,6 +497,50 @@ def heldout_explained_variance(run: Run, trajs: list) -> tuple[float, float]:
             ppo.explained_variance(v, final[on], torch.ones_like(v)))
 
 
+def mixed_tasks(tasks: list, outcomes: list[tuple[str, bool]]) -> tuple[list, dict[str, list[int]]]:
+    """(the tasks passed in some but not all of their probe episodes, in `tasks` order; per task name
+    [passed, episodes]). outcomes: (task name, correct) per probe episode. No task mixed: all tasks (a
+    stage on them still shows whether the actor holds up)."""
+    counts = {t.name: [0, 0] for t in tasks}
+    for name, ok in outcomes:
+        counts[name][0] += bool(ok)
+        counts[name][1] += 1
+    mixed = [t for t in tasks if 0 < counts[t.name][0] < counts[t.name][1]]
+    return mixed or list(tasks), counts
+
+
+def agent_tasks(run: Run, start: int) -> list:
+    """Stage 4's tasks (--mixed-probe): sample the actor --mixed-probe times on every task (rollouts/
+    probe_s4_r*.jsonl), keep `mixed_tasks`. The choice goes to OUT/stage4_tasks.json; a resumed stage 4
+    reads it back."""
+    cfg, (rank, world) = run.cfg, rank_world()
+    path = os.path.join(cfg.out, "stage4_tasks.json")
+    if cfg.mixed_probe <= 0:
+        return run.tasks
+    if start > 0 and os.path.exists(path):
+        with open(path) as f:
+            names = set(json.load(f)["tasks"])
+        return [t for t in run.tasks if t.name in names]
+    t0 = time.time()
+    run.logger.phase("rollout")
+    trajs = rollout(run, cfg.mixed_probe * len(run.tasks), 0.0, cfg.env.max_turns == 1,
+                    os.path.join(cfg.out, "workspaces", f"probe_s4_r{rank}"), key="4:probe")
+    tasks_mod.save_trajectories(os.path.join(cfg.out, "rollouts", f"probe_s4_r{rank}.jsonl"), trajs, stage=4,
+                                step=-1)
+    chosen, counts = mixed_tasks(run.tasks, all_ranks([(t.task, bool((t.final_verdict or {}).get("correct")))
+                                                       for t in trajs]))
+    if rank == 0:
+        with open(path + ".tmp", "w") as f:
+            json.dump({"tasks": [t.name for t in chosen], "probe": counts, "seconds": time.time() - t0}, f)
+        os.replace(path + ".tmp", path)
+        run.logger.write(f"[ppo] stage-4 probe, {cfg.mixed_probe} episodes per task: " +
+                         ", ".join(f"{n} {a}/{b}" for n, (a, b) in counts.items()) +
+                         f"; training on {len(chosen)} of {len(run.tasks)} tasks ({time.time() - t0:.0f} s)")
+    if world > 1:
+        dist.barrier()
+    return chosen
+
+
 def ppo_stage(run: Run, stage: int, n_steps: int, start: int, single_turn: bool, demo_fraction: float) -> None:
     """Stage 1 (single-turn warm-up) and stage 4 (agentic PPO). With --kl-coef, the KL reference is the actor
     as this stage found it (stage 4: the RFT actor), snapshotted here; a resumed run restores the snapshot
@@ -663,6 +713,7 @@ def train(cfg: TrainConfig) -> int:
             elif s == 3 and cfg.value_pretrain_steps > 0:
                 value_stage(run, step0)
             elif s == 4:
+                run.tasks = agent_tasks(run, step0)
                 ppo_stage(run, 4, cfg.agent_steps, step0, single_turn=cfg.env.max_turns == 1, demo_fraction=0.0)
             run.logger.close()
             checkpoint(run, s + 1, 0, force=True)
