@@ -105,9 +105,10 @@ class TrainConfig:
     """gradient checkpointing of the base model (GPU, long contexts)"""
     max_new_tokens: int = 96
     """tokens sampled per assistant turn"""
-    temperature: float = 0.5
-    """sampling temperature (log-probs in the loss use the same temperature); tiny: 0.5, so that a policy that
-    has learned a demonstration reproduces it most of the time; paper: 1.0 (not stated)"""
+    temperature: float = 1.0
+    """sampling temperature (log-probs in the loss use the same temperature); tiny: 1.0, so that the RFT actor
+    passes some tasks sometimes but not always (at 0.5 each task's outcome is nearly fixed and stage 4 has no
+    contrast to learn from); paper: 1.0 (not stated)"""
     rollout_engine: bool = True
     """sample rollouts with generate.Engine (per-episode KV cache reused across turns); off: the plain
     model.generate loop that re-encodes each conversation every turn"""
@@ -121,8 +122,9 @@ class TrainConfig:
     """LoRA alpha (scale = alpha / rank)"""
     lora_targets: str = "attention,experts"
     """comma-separated subset of attention | experts (fused 3-D MoE params) | mlp (dense MLP)"""
-    lr_actor: float = 5e-5
-    """actor LoRA learning rate of the PPO stages 1 and 4 (paper full fine-tuning: 3e-6; LoRA needs ~10x more)"""
+    lr_actor: float = 2e-4
+    """actor LoRA learning rate of the PPO stages 1 and 4 (paper full fine-tuning: 3e-6; LoRA needs ~10x more);
+    tiny: 2e-4 with --ppo-epochs 4 (at 1e-3 one update collapses the RFT actor)"""
     lr_rft: float | None = 2e-3
     """actor LoRA learning rate of stage 2's SFT (none = --lr-actor; paper: not stated). Tiny: 40x the PPO rate,
     to learn the demonstrations in 80 steps; PPO at that rate makes one Adam step of the same size out of
@@ -136,8 +138,9 @@ class TrainConfig:
     """trajectories per PPO step, summed over ranks (paper: 1024); tiny: 4, each task once a step"""
     micro_batch_size: int = 2
     """trajectories per forward/backward (gradient accumulation; the loss is invariant to it)"""
-    ppo_epochs: int = 1
-    """passes over each batch (paper: "one update per batch" -> 1)"""
+    ppo_epochs: int = 4
+    """passes over each batch (paper: "one update per batch" -> 1); tiny: 4, so that a 4-episode batch moves
+    the actor within the clip range instead of by one unclipped step (updates cost little next to rollouts)"""
     num_minibatches: int = 1
     """optimizer steps per epoch (paper: 1)"""
     eps_low: float = 0.2
@@ -152,7 +155,7 @@ class TrainConfig:
     mostly the noise of a 4-step critic"""
     kl_coef: float = 0.1
     """KL penalty coefficient, k3 estimator, against the actor as each PPO stage found it (stage 4: the RFT
-    actor) (paper: not stated; 0 = off); tiny: 0.1, with --lr-actor 5e-5, to keep stage 4 near the RFT actor"""
+    actor) (paper: not stated; 0 = off); tiny: 0.1, to keep stage 4 near the RFT actor"""
     entropy_coef: float = 0.0
     """entropy bonus (paper: not stated; 0 = off)"""
     vf_clip: float | None = None
@@ -180,7 +183,7 @@ class TrainConfig:
     value_lam: float = 1.0
     """stage 3: GAE lambda of the critic's targets; 1 = Monte-Carlo returns (the final reward at every token,
     independent of the critic being fitted); --value-lam 0.95 = stage 4's targets (not stated in the paper)"""
-    agent_steps: int = 8
+    agent_steps: int = 10
     """stage 4: agentic PPO steps (paper: 150)"""
     mixed_probe: int = 4
     """stage 4: before its first step, sample the RFT actor this many times on every task and train stage 4 on
