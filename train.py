@@ -17,7 +17,8 @@ Departures from the paper
      it mixes shipped demonstrations (data/demos, `--demo-fraction`) into stage-1/2 batches, replayed
      through the same env and flagged `source: demo`. After RFT on them it writes the kernels of its four
      tasks (data/tasks_tiny4.jsonl) itself in stage 4: its tokenizer, trained on data/, spells a
-     demonstration in ~50 tokens. The paper preset has no demos.
+     demonstration in ~50 tokens. Its stage 4 trains on the tasks a 4-episode probe of the RFT actor passes
+     sometimes but not always (--mixed-probe, `agent_tasks`). The paper preset has no demos and no probe.
   4. Not stated in the paper, so ours: stage lengths of stages 1-3, fresh AdamW per stage, one context
      budget (--env.max-context-tokens) for both modes, a per-turn token cap (--max-new-tokens, 8,192 in the
      paper preset, stage 1's single answer included); stage 2's size (paper preset: 1,024 rollouts, 200 SFT
