@@ -520,6 +520,8 @@ def agent_tasks(run: Run, start: int) -> list:
     cfg, (rank, world) = run.cfg, rank_world()
     path = os.path.join(cfg.out, "stage4_tasks.json")
     if cfg.mixed_probe <= 0:
+        if start == 0 and rank == 0 and os.path.exists(path):
+            os.remove(path)  # an earlier run's choice in this --out
         return run.tasks
     if start > 0 and os.path.exists(path):
         with open(path) as f:
