@@ -206,7 +206,37 @@ def summary(run_dir: str) -> str:
         pass_mean = sum(passes) / len(passes) if passes else None
         out.append(f"{f'{s}) {name}':12s} {len(rs):5d} {first_last:>20s} {_fmt(pass_mean):>5s} "
                    f"{_fmt(kept, '.0f'):>5s} {_fmt(ev):>8s} {secs:8.0f}")
-    return "\n".join(out)
+    return "\n".join(out + _stage4_tasks(run_dir))
+
+
+def _stage4_tasks(run_dir: str) -> list[str]:
+    """Below the table: stage 4's probe and the tasks it chose (train.agent_tasks, OUT/stage4_tasks.json), and
+    per task its correct episodes in the first half of stage 4's steps -> the second half (rollouts/s4_*)."""
+    out, path = [], os.path.join(run_dir, "stage4_tasks.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            p = json.load(f)
+        n = sum(b for _, b in p["probe"].values()) // max(1, len(p["probe"]))
+        out.append(f"stage 4 trained on {len(p['tasks'])} of {len(p['probe'])} tasks, those passed in some but not "
+                   f"all of {n} probe episodes: " + ", ".join(f"{k[:8]} {a}/{b}{'*' if k in p['tasks'] else ''}"
+                                                              for k, (a, b) in p["probe"].items()))
+    steps: dict[int, list] = {}
+    d = os.path.join(run_dir, "rollouts")
+    for fn in sorted(os.listdir(d)) if os.path.isdir(d) else []:
+        if fn.startswith("s4_") and fn.endswith(".jsonl"):
+            with open(os.path.join(d, fn)) as f:
+                steps.setdefault(int(fn.split("_")[1]), []).extend(json.loads(x) for x in f if x.strip())
+    if steps:
+        order, k = sorted(steps), max(1, len(steps) // 2)
+        per: dict[str, list[int]] = {}
+        for half, keys in enumerate((order[:k], order[-k:])):
+            for r in (r for s in keys for r in steps[s] if r.get("source", "policy") == "policy"):
+                c = per.setdefault(r["task"], [0, 0, 0, 0])
+                c[2 * half] += bool((r.get("final_verdict") or {}).get("correct"))
+                c[2 * half + 1] += 1
+        out.append("stage 4 correct per task, 1st -> 2nd half: " +
+                   ", ".join(f"{t[:8]} {a}/{b} -> {c}/{d}" for t, (a, b, c, d) in per.items()))
+    return out
 
 
 def mark_stages(ax, bounds: list[tuple[int, int, str]], demo_share: dict | None = None) -> None:

@@ -17,7 +17,8 @@ Departures from the paper
      it mixes shipped demonstrations (data/demos, `--demo-fraction`) into stage-1/2 batches, replayed
      through the same env and flagged `source: demo`. After RFT on them it writes the kernels of its four
      tasks (data/tasks_tiny4.jsonl) itself in stage 4: its tokenizer, trained on data/, spells a
-     demonstration in ~50 tokens. The paper preset has no demos.
+     demonstration in ~50 tokens. Its stage 4 trains on the tasks a 4-episode probe of the RFT actor passes
+     sometimes but not always (--mixed-probe, `agent_tasks`). The paper preset has no demos and no probe.
   4. Not stated in the paper, so ours: stage lengths of stages 1-3, fresh AdamW per stage, one context
      budget (--env.max-context-tokens) for both modes, a per-turn token cap (--max-new-tokens, 8,192 in the
      paper preset, stage 1's single answer included); stage 2's size (paper preset: 1,024 rollouts, 200 SFT
@@ -105,9 +106,10 @@ class TrainConfig:
     """gradient checkpointing of the base model (GPU, long contexts)"""
     max_new_tokens: int = 96
     """tokens sampled per assistant turn"""
-    temperature: float = 0.5
-    """sampling temperature (log-probs in the loss use the same temperature); tiny: 0.5, so that a policy that
-    has learned a demonstration reproduces it most of the time; paper: 1.0 (not stated)"""
+    temperature: float = 1.0
+    """sampling temperature (log-probs in the loss use the same temperature); tiny: 1.0, so that the RFT actor
+    passes some tasks sometimes but not always (at 0.5 each task's outcome is nearly fixed and stage 4 has no
+    contrast to learn from); paper: 1.0 (not stated)"""
     rollout_engine: bool = True
     """sample rollouts with generate.Engine (per-episode KV cache reused across turns); off: the plain
     model.generate loop that re-encodes each conversation every turn"""
@@ -121,8 +123,9 @@ class TrainConfig:
     """LoRA alpha (scale = alpha / rank)"""
     lora_targets: str = "attention,experts"
     """comma-separated subset of attention | experts (fused 3-D MoE params) | mlp (dense MLP)"""
-    lr_actor: float = 5e-5
-    """actor LoRA learning rate of the PPO stages 1 and 4 (paper full fine-tuning: 3e-6; LoRA needs ~10x more)"""
+    lr_actor: float = 2e-4
+    """actor LoRA learning rate of the PPO stages 1 and 4 (paper full fine-tuning: 3e-6; LoRA needs ~10x more);
+    tiny: 2e-4 with --ppo-epochs 4 (at 1e-3 one update collapses the RFT actor)"""
     lr_rft: float | None = 2e-3
     """actor LoRA learning rate of stage 2's SFT (none = --lr-actor; paper: not stated). Tiny: 40x the PPO rate,
     to learn the demonstrations in 80 steps; PPO at that rate makes one Adam step of the same size out of
@@ -136,8 +139,9 @@ class TrainConfig:
     """trajectories per PPO step, summed over ranks (paper: 1024); tiny: 4, each task once a step"""
     micro_batch_size: int = 2
     """trajectories per forward/backward (gradient accumulation; the loss is invariant to it)"""
-    ppo_epochs: int = 1
-    """passes over each batch (paper: "one update per batch" -> 1)"""
+    ppo_epochs: int = 4
+    """passes over each batch (paper: "one update per batch" -> 1); tiny: 4, so that a 4-episode batch moves
+    the actor within the clip range instead of by one unclipped step (updates cost little next to rollouts)"""
     num_minibatches: int = 1
     """optimizer steps per epoch (paper: 1)"""
     eps_low: float = 0.2
@@ -152,7 +156,7 @@ class TrainConfig:
     mostly the noise of a 4-step critic"""
     kl_coef: float = 0.1
     """KL penalty coefficient, k3 estimator, against the actor as each PPO stage found it (stage 4: the RFT
-    actor) (paper: not stated; 0 = off); tiny: 0.1, with --lr-actor 5e-5, to keep stage 4 near the RFT actor"""
+    actor) (paper: not stated; 0 = off); tiny: 0.1, to keep stage 4 near the RFT actor"""
     entropy_coef: float = 0.0
     """entropy bonus (paper: not stated; 0 = off)"""
     vf_clip: float | None = None
@@ -180,8 +184,13 @@ class TrainConfig:
     value_lam: float = 1.0
     """stage 3: GAE lambda of the critic's targets; 1 = Monte-Carlo returns (the final reward at every token,
     independent of the critic being fitted); --value-lam 0.95 = stage 4's targets (not stated in the paper)"""
-    agent_steps: int = 8
+    agent_steps: int = 10
     """stage 4: agentic PPO steps (paper: 150)"""
+    mixed_probe: int = 4
+    """stage 4: before its first step, sample the RFT actor this many times on every task and train stage 4 on
+    the tasks it passed in some but not all of them (`mixed_tasks`; none such: all tasks); 0 = all tasks.
+    Ours (the paper's 6K tasks are not filtered this way); like DAPO's dynamic sampling, which drops prompts
+    whose samples all pass or all fail: such a batch gives PPO no contrast to learn from"""
     checkpoint_every: int = 1
     """write a checkpoint every N steps (and at the end of each stage)"""
     verbose: bool = False
@@ -211,7 +220,8 @@ PRESETS = {
         lr_actor=3e-5, lr_rft=None, lr_critic=6e-5, lr_head=1e-4, kl_coef=0.0,  # ours: ~10x the paper's rates
         batch_size=1024, micro_batch_size=1, ppo_epochs=1, num_minibatches=1,  # "one update per batch"
         lam=0.95, warmup_steps=50, rft_rollouts=1024, rft_steps=200, rft_batch_size=64,  # ours (not stated)
-        value_pretrain_steps=50, agent_steps=150, checkpoint_every=1, sample_every=10, kv_budget_gib=40.0),
+        value_pretrain_steps=50, agent_steps=150, checkpoint_every=1, sample_every=10, kv_budget_gib=40.0,
+        mixed_probe=0),                      # the paper trains on all its tasks
 }
 
 
@@ -491,6 +501,52 @@ def heldout_explained_variance(run: Run, trajs: list) -> tuple[float, float]:
             ppo.explained_variance(v, final[on], torch.ones_like(v)))
 
 
+def mixed_tasks(tasks: list, outcomes: list[tuple[str, bool]]) -> tuple[list, dict[str, list[int]]]:
+    """(the tasks passed in some but not all of their probe episodes, in `tasks` order; per task name
+    [passed, episodes]). outcomes: (task name, correct) per probe episode. No task mixed: all tasks (a
+    stage on them still shows whether the actor holds up)."""
+    counts = {t.name: [0, 0] for t in tasks}
+    for name, ok in outcomes:
+        counts[name][0] += bool(ok)
+        counts[name][1] += 1
+    mixed = [t for t in tasks if 0 < counts[t.name][0] < counts[t.name][1]]
+    return mixed or list(tasks), counts
+
+
+def agent_tasks(run: Run, start: int) -> list:
+    """Stage 4's tasks (--mixed-probe): sample the actor --mixed-probe times on every task (rollouts/
+    probe_s4_r*.jsonl), keep `mixed_tasks`. The choice goes to OUT/stage4_tasks.json; a resumed stage 4
+    reads it back."""
+    cfg, (rank, world) = run.cfg, rank_world()
+    path = os.path.join(cfg.out, "stage4_tasks.json")
+    if cfg.mixed_probe <= 0:
+        if start == 0 and rank == 0 and os.path.exists(path):
+            os.remove(path)  # an earlier run's choice in this --out
+        return run.tasks
+    if start > 0 and os.path.exists(path):
+        with open(path) as f:
+            names = set(json.load(f)["tasks"])
+        return [t for t in run.tasks if t.name in names]
+    t0 = time.time()
+    run.logger.phase("rollout")
+    trajs = rollout(run, cfg.mixed_probe * len(run.tasks), 0.0, cfg.env.max_turns == 1,
+                    os.path.join(cfg.out, "workspaces", f"probe_s4_r{rank}"), key="4:probe")
+    tasks_mod.save_trajectories(os.path.join(cfg.out, "rollouts", f"probe_s4_r{rank}.jsonl"), trajs, stage=4,
+                                step=-1)
+    chosen, counts = mixed_tasks(run.tasks, all_ranks([(t.task, bool((t.final_verdict or {}).get("correct")))
+                                                       for t in trajs]))
+    if rank == 0:
+        with open(path + ".tmp", "w") as f:
+            json.dump({"tasks": [t.name for t in chosen], "probe": counts, "seconds": time.time() - t0}, f)
+        os.replace(path + ".tmp", path)
+        run.logger.write(f"[ppo] stage-4 probe, {cfg.mixed_probe} episodes per task: " +
+                         ", ".join(f"{n} {a}/{b}" for n, (a, b) in counts.items()) +
+                         f"; training on {len(chosen)} of {len(run.tasks)} tasks ({time.time() - t0:.0f} s)")
+    if world > 1:
+        dist.barrier()
+    return chosen
+
+
 def ppo_stage(run: Run, stage: int, n_steps: int, start: int, single_turn: bool, demo_fraction: float) -> None:
     """Stage 1 (single-turn warm-up) and stage 4 (agentic PPO). With --kl-coef, the KL reference is the actor
     as this stage found it (stage 4: the RFT actor), snapshotted here; a resumed run restores the snapshot
@@ -663,6 +719,7 @@ def train(cfg: TrainConfig) -> int:
             elif s == 3 and cfg.value_pretrain_steps > 0:
                 value_stage(run, step0)
             elif s == 4:
+                run.tasks = agent_tasks(run, step0)
                 ppo_stage(run, 4, cfg.agent_steps, step0, single_turn=cfg.env.max_turns == 1, demo_fraction=0.0)
             run.logger.close()
             checkpoint(run, s + 1, 0, force=True)

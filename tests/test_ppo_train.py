@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the smallest config that still runs every stage for real (demos give RFT something with reward > 0)
 SMALL = dict(warmup_steps=2, batch_size=2, micro_batch_size=2, demo_fraction=0.5, max_new_tokens=12,
              env=dict(max_turns=3), rft_rollouts=2, rft_steps=2, rft_batch_size=2, value_pretrain_steps=3,
-             agent_steps=1,
+             agent_steps=1, mixed_probe=1,
              ppo_epochs=1, num_minibatches=1)
 
 SCRIPT = """
@@ -227,3 +227,30 @@ def test_rft_sample_drops_no_call_turns_and_truncated_trajectories():
     assert train.rft_sample(cut, cfg) is not None                            # default: the paper's filter
     assert train.rft_sample(cut, dataclasses.replace(cfg, rft_drop_truncated=True)) is None
     assert train.rft_sample(_traj([(3, ["verify"])], reward=-1.0), cfg) is None   # reward > 0 only
+
+
+def test_mixed_tasks_keeps_the_tasks_passed_sometimes(tmp_path):
+    """Stage 4 trains on the tasks the probe passed in some but not all episodes (--mixed-probe), in task
+    order; none such: all tasks. The end-of-run table then names them and each task's first -> second half."""
+    import runlog
+    import train
+    tasks = [train.tasks_mod.Task(code=f"x = {i}", name=n) for i, n in enumerate("abcd")]
+    outcomes = [("a", True)] * 4 + [("b", False)] * 4 + [("c", True), ("c", False), ("c", False), ("c", False)] + \
+        [("d", False), ("d", True), ("d", True), ("d", True)]
+    chosen, counts = train.mixed_tasks(tasks, outcomes)
+    assert [t.name for t in chosen] == ["c", "d"]
+    assert counts == {"a": [4, 4], "b": [0, 4], "c": [1, 4], "d": [3, 4]}
+    chosen, _ = train.mixed_tasks(tasks, [("a", True), ("b", False), ("c", True), ("d", False)])
+    assert chosen == tasks                                          # one episode each: nothing mixed, all kept
+    assert [t.name for t in train.mixed_tasks(tasks, outcomes[4:])[0]] == ["c", "d"]   # a unprobed: 0/0
+    _fake_metrics(str(tmp_path))
+    with open(tmp_path / "stage4_tasks.json", "w") as f:
+        json.dump({"tasks": ["c", "d"], "probe": counts}, f)
+    os.makedirs(tmp_path / "rollouts")
+    for step, oks in enumerate([[0, 1], [0, 0], [1, 1], [1, 0]]):
+        with open(tmp_path / "rollouts" / f"s4_{step:04d}_r0.jsonl", "w") as f:
+            f.writelines(json.dumps({"task": t, "final_verdict": {"correct": bool(ok)}}) + "\n"
+                         for t, ok in zip("cd", oks))
+    lines = runlog.summary(str(tmp_path)).splitlines()
+    assert lines[-2].startswith("stage 4 trained on 2 of 4 tasks") and "c 1/4*" in lines[-2] and "a 4/4," in lines[-2]
+    assert lines[-1].endswith("c 0/2 -> 2/2, d 1/2 -> 1/2")

@@ -16,9 +16,10 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# the tiny preset, shortened where it does not change what is learned: RFT keeps its 80 SFT steps
+# the tiny preset, shortened where it does not change what is learned: RFT keeps its 80 SFT steps; stage 4 on all
+# tasks without the probe (--mixed-probe, covered in test_ppo_train.py)
 SHORT = ["--warmup-steps", "0", "--rft-rollouts", "4", "--demo-fraction", "1.0", "--value-pretrain-steps", "1",
-         "--agent-steps", "2", "--sandbox.device", "cpu"]
+         "--agent-steps", "2", "--mixed-probe", "0", "--sandbox.device", "cpu"]
 
 
 def stage_rows(out, stage):
