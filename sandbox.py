@@ -5,12 +5,14 @@ imports candidate code: each compile, reference run and candidate run is its own
 (`python sandbox_worker.py JOBFILE`) inside bubblewrap, and the host compares the candidate's outputs
 with reference outputs that only the host holds. Candidate children are started ahead of time (warm
 spares: torch imported, CUDA up) and each serves exactly one candidate; so do two reference children per
-GPU (torch.compile's modules imported too). Files: this one (what runs, the verdict), sandbox_child.py
-(isolation, the child and its channel), sandbox_spares.py (the warm children), sandbox_build.py (kernel
-compiles, load_inline builds, the dispatch guard's build), sandbox_reference.py (reference children, seed
-pools, baselines), sandbox_rules.py (static scan, comparison), sandbox_worker.py (inside the child, with
-sandbox_inline.py and sandbox_guard.cpp), workspace.py (reading untrusted files, validating task and
-solution files).
+GPU (torch.compile's modules imported too) and two load_inline build children (torch's extension builder
+imported). Files: this one (what runs, the verdict), sandbox_child.py (isolation, the child and its
+channel), sandbox_spares.py (the warm children), sandbox_build.py (kernel compiles, load_inline builds, the
+dispatch guard's build), sandbox_reference.py (reference children, seed pools, baselines), sandbox_rules.py
+(static scan, comparison); inside the child: sandbox_worker.py (the jobs, the dispatch guard, the runtime
+helpers), sandbox_measure.py (inputs, sketches, the baseline timer), sandbox_wire.py (the result channel),
+sandbox_inline.py and sandbox_guard.cpp; workspace.py (reading untrusted files, validating task and solution
+files).
 
 Threat model. COVERED:
   * Isolation per job: bwrap (`--unshare-all`: no network, own pid/ipc/uts namespaces; `/` read-only,
@@ -329,6 +331,7 @@ def _run_check(src: str, solution: str, cfg: SandboxConfig, v: Verdict, compile_
             v.device = ref["device_name"]
             if "phase_s" in ref:  # this check ran the reference child (not a pooled one)
                 v.timings["reference_phases"] = ref["phase_s"]
+                v.timings["reference_startup"] = ref.get("startup")  # a spare's start-up, when it was one
             if cfg.profile and base is None:
                 base = baseline_cache(cfg, key, baseline_entry(ref, v.precision, v.device))
             import torch

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import functools
 import hashlib
 import os
 import re
@@ -21,7 +22,8 @@ from typing import TYPE_CHECKING
 
 import sandbox_child
 import workspace
-from sandbox_child import SandboxError, hidden, new_jobdir, run_child
+from sandbox_child import Child, SandboxError, hidden, isolation, new_jobdir, run_child
+from sandbox_spares import Spares, warm_spares
 from workspace import WorkspaceError
 
 if TYPE_CHECKING:
@@ -41,8 +43,9 @@ def _compiler_version(exe: str) -> str:
     return _VERSIONS[exe]
 
 
+@functools.cache
 def cuda_arch() -> str:
-    """sm_XX of GPU 0 (nvidia-smi), overridable with CUDA_AGENT_ARCH=90; default 90 (H100/H200)."""
+    """sm_XX of GPU 0 (nvidia-smi, asked once per process), overridable with CUDA_AGENT_ARCH=90; default 90."""
     if os.environ.get("CUDA_AGENT_ARCH"):
         return os.environ["CUDA_AGENT_ARCH"].replace("sm_", "").replace(".", "")
     with contextlib.suppress(OSError, subprocess.SubprocessError, IndexError):
@@ -158,17 +161,24 @@ def build_inline(cand: str, wdir: str, cfg: SandboxConfig) -> tuple[str, str | N
     if os.path.exists(failed):  # the same source failed to compile before: the same error, at once
         with open(failed) as f:
             return ext, f.read()
-    jobdir = new_jobdir()
+    spare = BUILD_SPARES.take(*_build_spare(cfg))[0] if warm_spares(cfg) > 0 else None
+    jobdir = spare.jobdir if spare else new_jobdir()
     try:
         bdir = os.path.join(jobdir, "w")
-        os.makedirs(bdir)
+        os.makedirs(bdir, exist_ok=True)
         shutil.copy(cand, os.path.join(bdir, "solution.py"))
         shutil.copy(os.path.join(wdir, "task.py"), os.path.join(bdir, "task.py"))
-        job = {"kind": "build", "cand_path": os.path.join(bdir, "solution.py"), "cand_dir": bdir, "ext_dir": ext,
-               "task_path": os.path.join(bdir, "task.py"), "init_seed": cfg.seed, "device": cfg.device}
-        r = run_child(job, jobdir, device=cfg.device, timeout_s=cfg.compile_timeout_s + 60,
-                      mem_limit_mb=cfg.mem_limit_mb, writable=(ext,), hide=hidden(cfg),
-                      env={"TORCH_EXTENSIONS_DIR": ext})
+        job = {"kind": "build", "cand_path": os.path.join(bdir, "solution.py"), "cand_dir": bdir,
+               "ext_dir": os.path.join(bdir, "ext") if spare else ext, "task_path": os.path.join(bdir, "task.py"),
+               "init_seed": cfg.seed, "device": cfg.device}
+        if spare:  # it builds into its own job dir; the host copies the result (links refused) into the cache
+            r = spare.run(job, cfg.compile_timeout_s + 60)
+            if (r.result or {}).get("built"):
+                shutil.rmtree(ext, ignore_errors=True)
+                copy_build(job["ext_dir"], ext)
+        else:
+            r = run_child(job, jobdir, device=cfg.device, timeout_s=cfg.compile_timeout_s + 60,
+                          mem_limit_mb=cfg.mem_limit_mb, writable=(ext,), hide=hidden(cfg), env=_build_env(cfg, ext))
     finally:
         shutil.rmtree(jobdir, ignore_errors=True)
     res = r.result or {}
@@ -186,6 +196,28 @@ def build_inline(cand: str, wdir: str, cfg: SandboxConfig) -> tuple[str, str | N
         shutil.rmtree(ext, ignore_errors=True)
         return ext, f"load_inline build {r.error}"
     return ext, None  # an import or __init__ error: the candidate child reports it, as a verdict
+
+
+BUILD_SPARES = Spares()  # warm build children: torch and its cpp_extension imported, no CUDA context
+
+
+def _build_env(cfg: SandboxConfig, ext: str) -> dict:
+    env = {"TORCH_EXTENSIONS_DIR": ext}
+    if cfg.device == "cuda" and not os.environ.get("TORCH_CUDA_ARCH_LIST"):  # else torch brings CUDA up in the
+        env["TORCH_CUDA_ARCH_LIST"] = f"{cuda_arch()[:-1]}.{cuda_arch()[-1]}"  # build child only to ask for it
+    return env
+
+
+def _build_spare(cfg: SandboxConfig) -> tuple:
+    """(key, count, spawn) of the warm build children of this config: a load_inline check waits for its
+    build, and a cold build child spent its first seconds importing torch."""
+    def spawn() -> Child:
+        jobdir = new_jobdir()
+        ext = os.path.join(jobdir, "w", "ext")
+        os.makedirs(ext)
+        return Child(jobdir, device=cfg.device, mem_limit_mb=cfg.mem_limit_mb, hide=hidden(cfg),
+                     env=_build_env(cfg, ext), warm_for="build")
+    return (cfg.device, None, cfg.mem_limit_mb, tuple(hidden(cfg)), isolation()), min(2, warm_spares(cfg)), spawn
 
 
 def copy_build(src: str, dst: str):

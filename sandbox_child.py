@@ -28,10 +28,11 @@ import threading
 import time
 from dataclasses import dataclass
 
-import sandbox_worker
+import sandbox_wire
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_worker.py")
-INLINE = os.path.join(os.path.dirname(WORKER), "sandbox_inline.py")  # imported by the worker
+# the modules the worker imports: bound beside it when the repository is hidden
+HARNESS_FILES = tuple(os.path.join(os.path.dirname(WORKER), f"sandbox_{m}.py") for m in ("inline", "measure", "wire"))
 GUARD: str | None = None  # the dispatch guard's .so, set by sandbox_build.guard_library; loaded by the worker
 
 
@@ -163,7 +164,7 @@ def bwrap_argv(cmd: list[str], wdir: str, device: str, writable: list, hide: lis
     if repo not in hidden and any(inside(repo, m) for m in masked):  # reference and call children import it
         args += ["--ro-bind", repo, repo]
     elif any(inside(os.path.realpath(WORKER), m) for m in masked):
-        for f in (WORKER, INLINE):  # the worker and the one module it imports, side by side
+        for f in (WORKER, *HARNESS_FILES):  # the worker and the modules it imports, side by side
             args += ["--ro-bind", os.path.realpath(f), os.path.join(HARNESS_DIR, os.path.basename(f))]
         shown = os.path.join(HARNESS_DIR, os.path.basename(WORKER))
         cmd = [shown if c == WORKER else c for c in cmd]
@@ -235,7 +236,7 @@ class ChildResult:
 
 
 def _reader(fd: int, nonce: bytes, out: list, on_msg, state: dict, max_msgs: int = 100_000):
-    """Read nonce-framed messages (sandbox_worker.Channel) until EOF; a bad frame, a message over
+    """Read nonce-framed messages (sandbox_wire.Channel) until EOF; a bad frame, a message over
     state["max_msg_bytes"] (head and tensors together) or too many messages mark the channel corrupt. Each message is
     handed to `on_msg` and then only its small fields are kept (tensors under "outs" are dropped), so the
     host holds at most one message's payload at a time. Tensors are read straight into their own storage, or,
@@ -275,7 +276,7 @@ def _reader(fd: int, nonce: bytes, out: list, on_msg, state: dict, max_msgs: int
                 assert read_into(memoryview(body))
                 head = json.loads(body)
                 assert isinstance(head, dict) and "type" in head
-                specs = sandbox_worker.tensor_specs(head)
+                specs = sandbox_wire.tensor_specs(head)
                 left = max_msg_bytes - n
                 tensors = []
                 for dt, shape, at in specs:
@@ -298,7 +299,7 @@ def _reader(fd: int, nonce: bytes, out: list, on_msg, state: dict, max_msgs: int
                     raw = torch.empty(m, dtype=torch.uint8)
                     assert read_into(memoryview(raw.numpy()))
                     tensors.append(raw.view(dtype).reshape(shape))
-                msg = sandbox_worker.decode(head, tensors)
+                msg = sandbox_wire.decode(head, tensors)
             except Exception as e:  # noqa: BLE001 - anything but the plain format is refused
                 state["corrupt"] = f"unreadable result message ({type(e).__name__})"
                 return
@@ -415,7 +416,7 @@ class Child:
         self.err_f = open(os.path.join(jobdir, "stderr"), "w+b")
         self.msgs = []
         self.control = os.fdopen(cwfd, "w")
-        self.t_started = time.monotonic()
+        self.t_started, self.startup = time.monotonic(), None
         try:
             self.proc = subprocess.Popen(full, stdin=subprocess.DEVNULL, stdout=self.out_f, stderr=self.err_f,
                                          env=child_env, cwd=self.wdir, pass_fds=(wfd, crfd, self.shm_fd),
@@ -484,6 +485,8 @@ class Child:
         if self.warm:
             if shm_bytes:  # grown and mapped before the job exists in the child
                 self._open_shm(shm_bytes)
+            self.startup = {**ChildResult(None, list(self.msgs), None, None, "", "", started=self.t_started).phases(),
+                            "job_at_s": round(time.monotonic() - self.t_started, 3)}  # a spare's start-up
             del self.msgs[:]
             self.t_started = time.monotonic()
             self._send({"job": {**job, "shm_bytes": shm_bytes} if shm_bytes else job})

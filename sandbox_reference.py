@@ -17,7 +17,7 @@ import subprocess
 import threading
 from typing import TYPE_CHECKING
 
-import sandbox_worker
+import sandbox_measure
 from sandbox_child import Child, isolation, new_jobdir, run_child, settle, visible_devices
 from sandbox_spares import Spares, warm_spares
 from workspace import TaskError, read_task
@@ -33,7 +33,7 @@ def precision_of(cfg: SandboxConfig) -> str:
     return ("tf32" if cfg.rtol >= 1e-3 else "fp32") if cfg.precision == "auto" else cfg.precision
 
 
-BASELINE_TIMING = "fresh inputs, scrub, sketch"  # how baselines are timed (sandbox_worker.Timer); a cache entry
+BASELINE_TIMING = "fresh inputs, scrub, sketch"  # how baselines are timed (sandbox_measure.Timer); a cache entry
 # timed any other way is timed again
 
 
@@ -134,7 +134,10 @@ def run_reference(task_src: str, cfg: SandboxConfig, seeds: list[int], want_base
         raise TaskError(f"reference run failed: {r.error}")
     if r.result.get("task_error"):
         raise TaskError(r.result["task_error"])
-    return {**r.result, "outputs": outputs}
+    # where a reference child's time went: its start-up stages before the job was handed over (a spare that
+    # was ready) and the stages and phases after (one still starting, or a cold child)
+    startup = {"before_job": child.startup if child else None, "after_job": r.phases()}
+    return {**r.result, "outputs": outputs, "startup": startup}
 
 
 def baseline_entry(res: dict, precision: str, device: str, old: dict | None = None) -> dict:
@@ -234,7 +237,7 @@ def reference_pool(src: str, cfg: SandboxConfig, want_baselines: bool, gpu, dev:
     if ref is None:
         seeds = rng.sample(range(2**31), cfg.n_trials + n_time + 2 * REF_POOL_EXTRA)
         trial_seeds, time_seeds = seeds[:cfg.n_trials + REF_POOL_EXTRA], seeds[cfg.n_trials + REF_POOL_EXTRA:]
-        keys = {s: [rng.randrange(2**62) for _ in range(sandbox_worker.SKETCH_KEYS)] for s in time_seeds}
+        keys = {s: [rng.randrange(2**62) for _ in range(sandbox_measure.SKETCH_KEYS)] for s in time_seeds}
         ref = run_reference(src, cfg, trial_seeds, want_baselines, gpu, sketch_seeds=keys if cfg.profile else None)
         ref["keys"] = keys if cfg.profile else {}
         mb = sum(t.numel() * t.element_size() for outs in ref["outputs"].values() for t in outs) / 2**20

@@ -45,13 +45,14 @@ def _dotted(node) -> str:
 # lists, raw memory through ctypes, and the worker's internals. Referring to any of them is a violation by
 # itself, wherever it stands in the source (C++ strings of load_inline included, hence the ctypes prefix).
 INTROSPECTION = re.compile(
-    r"_python_dispatch|dispatch_stack|dispatch_mode|DispatchMode|_is_profiler_enabled|\bprofiler\b|"
+    r"_python_dispatch|dispatch_stack|dispatch_mode|DispatchMode|_profiler_enabled|\bprofiler\b|"
     r"\bautograd\.profiler|kineto|setprofile|settrace|_getframe|_current_frames|\binspect\b|\bgc\.|"
     r"\btb_frame\b|\btb_next\b|\bf_back\b|\bf_locals\b|\bf_globals\b|\bf_builtins\b|\bf_code\b|\bgi_frame\b|"
     r"\bcr_frame\b|\bag_frame\b|__traceback__|\bexc_info\b|__globals__|__closure__|__code__|__builtins__|"
     r"get_referrers|get_referents|get_objects|\bpythonapi\b|\bpy_object\b|\bPyDLL\b|\bpydll\b|from_address|"
     r"ctypes\.(?:string_at|wstring_at|memmove|memset|cast|addressof)\b|"
-    r"sandbox_worker\.(?!load_kernel|ptr|stream)\w+|\bsys\.modules|\b__class__\.__subclasses__|"
+    r"sandbox_worker\.(?!load_kernel|ptr|stream)\w+|\bsandbox_(?:measure|wire|inline)\b|\bsys\.modules|"
+    r"\b__class__\.__subclasses__|"
     # the C++ guard's own names and the dispatcher's key-set controls that would step around it
     r"sandbox_guard|CUDA_AGENT_GUARD|DispatchKey|dispatch_key|_dispatch_tls|redispatch|TESTING_ONLY|"
     r"PythonDispatcher|python_dispatcher")

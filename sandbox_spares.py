@@ -24,7 +24,8 @@ def warm_spares(cfg) -> int:
 
 class Spares:
     """Warm children (Child with no job yet), up to `n` per device slot: one pool for candidate children
-    (sandbox.py), one for reference children (sandbox_reference.py). `take` hands one out and starts its
+    (sandbox.py), one for reference children (sandbox_reference.py), one for load_inline build children
+    (sandbox_build.py). `take` hands one out and starts its
     replacement in the background, so a check finds the child's start-up (interpreter, torch, CUDA, the
     checks' one-time costs) already done. Spares are keyed by what they hide and their limits: one started
     for another workspace's parent is killed, never reused."""

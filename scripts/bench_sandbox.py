@@ -202,7 +202,8 @@ def main() -> int:
         first = sandbox.check(task, ws, cfg)
         res["first_check_s"] = time.perf_counter() - t
         res["first_check_split_s"] = {k: first.timings.get(k) for k in ("reference_s", "candidate_s", "warm_child",
-                                                                         "reference_phases", "candidate_phases")}
+                                                                         "reference_phases", "candidate_phases",
+                                                                         "reference_startup")}
         print(f"load_inline: {res['load_inline_s']} s; first check: {res['first_check_s']:.1f} s "
               f"{res['first_check_split_s']}", flush=True)
         assert first.correct, first.to_dict()

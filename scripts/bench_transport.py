@@ -21,7 +21,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
-import sandbox_worker as w  # noqa: E402
+import sandbox_measure as m  # noqa: E402
 from sandbox_rules import compare  # noqa: E402
 
 N, DEV = 4096 * 4096, "cuda"
@@ -42,14 +42,14 @@ def med(fn, n: int = 10) -> float:
 
 
 def main():
-    w._bind_torch()
+    m.bind_torch(DEV)
     task = type("T", (), {"get_inputs": staticmethod(lambda: [torch.randn(4096, 4096)])})
-    xs = w._make_inputs(task, 0, DEV)
+    xs = m.make_inputs(task, 0, DEV)
     y = torch.relu(xs[0])
-    res = {"make inputs": med(lambda: w._make_inputs(task, 1, DEV)),
-           "NaN scrub": med(lambda: w._scrub(DEV, torch.cuda.synchronize)),
+    res = {"make inputs": med(lambda: m.make_inputs(task, 1, DEV)),
+           "NaN scrub": med(lambda: m.scrub(DEV, torch.cuda.synchronize)),
            "forward (torch.relu)": med(lambda: torch.relu(xs[0])),
-           "inputs unmodified check": med(lambda: w._nan_equal(xs[0], xs[0].clone())),
+           "inputs unmodified check": med(lambda: m.nan_equal(xs[0], xs[0].clone())),
            "d2h pageable (encode)": med(lambda: y.detach().to("cpu"))}
     pin = torch.empty(N, pin_memory=True)
     res["d2h pinned"] = med(lambda: pin.copy_(y.view(-1)))

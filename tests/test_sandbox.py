@@ -360,7 +360,8 @@ def test_patched_time_module_changes_nothing(pcfg):
 
 def test_patched_worker_module_changes_nothing(pcfg):
     head = ("import sandbox_worker\nsandbox_worker._perf = lambda: 0.0\nsandbox_worker._sync = lambda: None\n"
-            "sandbox_worker.Timer.run = lambda self, fn, *a, **k: ([1e-6], fn(*self.inputs))\n")
+            "import sandbox_measure\nsandbox_measure._perf = lambda: 0.0\nsandbox_measure._sync = lambda: None\n"
+            "sandbox_measure.Timer.run = lambda self, fn, *a, **k: ([1e-6], fn(*self.inputs))\n")
     v = run(sol(SLOW, head=head), dynamic_only(pcfg))
     assert v.correct and v.violation is None and v.candidate_ms >= 9.0, v.to_dict()
 
@@ -496,7 +497,7 @@ def test_cache_dir_follows_env(monkeypatch, tmp_path):
 
 def test_run_isolated():
     c = SandboxConfig()
-    ok, val, err = sandbox.run_isolated("sandbox_worker:_stats", {"times": [1.0, 2.0, 3.0]}, c, 60)
+    ok, val, err = sandbox.run_isolated("sandbox_measure:stats", {"times": [1.0, 2.0, 3.0]}, c, 60)
     assert ok and val["median_ms"] == 2.0, err
     ok, val, err = sandbox.run_isolated("os:abort", {}, c, 60)
     assert not ok and "SIGABRT" in err
@@ -536,6 +537,8 @@ class ModelNew(torch.nn.Module):
 @pytest.mark.parametrize("hack", [
     "if torch._C._len_torch_dispatch_stack() == 0: return torch.relu(x)",
     "if not torch.autograd.profiler._is_profiler_enabled: return torch.relu(x)",
+    "if not torch.autograd._profiler_enabled(): return torch.relu(x)",
+    "import sandbox_measure; sandbox_measure._sync = lambda: None",
     "import sandbox_worker; sandbox_worker._GUARD = None",
     "import sys; sys.setprofile(None)",
     "import inspect; inspect.stack()",

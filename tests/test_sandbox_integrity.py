@@ -316,6 +316,26 @@ def test_warm_spares_serve_one_candidate_each(cfg, tmp_path):
         ([v.timings for v in verdicts], sandbox._SPARES.last_error)
 
 
+def test_form_a_builds_in_a_warm_build_child(cfg):
+    """With spares on, a single-file (form a) solution is built in a pre-started build child that writes only its
+    own job dir; the host copies the build (links refused) into the cache and removes the child's dir."""
+    import sandbox_build
+    c = dataclasses.replace(cfg, warm_spares=1)
+    cpp = ("torch::Tensor f(torch::Tensor x) { auto y = torch::empty_like(x); const float* a = x.data_ptr<float>(); "
+           "float* b = y.data_ptr<float>(); for (long i = 0; i < x.numel(); ++i) b[i] = a[i] > 0 ? a[i] : 0; "
+           f"return y; }} // {os.getpid()}")  # a source no other test builds; the candidate imports its module
+    src = sol("y = ext.f(x)", head="from torch.utils.cpp_extension import load_inline\n"
+              f"ext = load_inline(name='warm_build_relu', cpp_sources='{cpp}', functions=['f'])")
+    v = check(RELU_TASK, src, c)
+    assert v.correct, v.to_dict()
+    sha = __import__("hashlib").sha256(src.encode()).hexdigest()[:16]
+    assert os.path.exists(os.path.join(os.path.expanduser(c.cache_dir), "torch_ext", sha, ".built"))
+    key, _, _ = sandbox_build._build_spare(c)
+    assert sandbox_build.BUILD_SPARES._ready.get(key[:2]) or sandbox_build.BUILD_SPARES._pending.get(key[:2]), \
+        sandbox_build.BUILD_SPARES.last_error  # its replacement is started
+    sandbox_build.BUILD_SPARES.close()
+
+
 BIG_TASK = """import torch
 import torch.nn as nn
 class Model(nn.Module):
