@@ -41,6 +41,9 @@ import tools
 import train
 
 # --------------------------------------------------------------------------------------------------
+import train_config
+
+# --------------------------------------------------------------------------------------------------
 # check: the sandbox's contract with every other tool. Keep its output stable.
 # --------------------------------------------------------------------------------------------------
 
@@ -205,11 +208,11 @@ def pop_preset(argv: list[str], presets: dict) -> tuple[str, list[str]]:
 
 
 def cmd_train(argv: list[str]) -> int:
-    name, argv = pop_preset(argv, train.PRESETS)
-    base = dataclasses.replace(train.PRESETS[name], preset=name)
-    cfg = tyro.cli(train.TrainConfig, args=argv, default=base, prog="cuda_agent.py train",
+    name, argv = pop_preset(argv, train_config.PRESETS)
+    base = dataclasses.replace(train_config.PRESETS[name], preset=name)
+    cfg = tyro.cli(train_config.TrainConfig, args=argv, default=base, prog="cuda_agent.py train",
                    description="RL training: warm-up, RFT, value pretraining, agentic PPO (paper §3.3). "
-                               f"--preset {'|'.join(train.PRESETS)} picks the defaults (first: default).")
+                               f"--preset {'|'.join(train_config.PRESETS)} picks the defaults (first: default).")
     return train.train(cfg)
 
 

@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ppo  # noqa: E402
-import train  # noqa: E402
+import train_config  # noqa: E402
 
 # Qwen/Qwen3-30B-A3B config.json (public), restated so nothing is downloaded.
 QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
@@ -154,7 +154,7 @@ def main() -> int:
                grad_ckpt=not a.no_grad_ckpt, experts_impl=str(getattr(conf, "_experts_implementation", None)),
                build_s=round(time.time() - t0, 1), weights_GiB=peak_gib(dev))
     save({k: v for k, v in res.items() if k != "rows"})
-    cfg = dataclasses.replace(train.PRESETS["paper"], ppo_epochs=1, num_minibatches=1)
+    cfg = dataclasses.replace(train_config.PRESETS["paper"], ppo_epochs=1, num_minibatches=1)
     opt = ppo.make_optimizers(model, head, cfg)
 
     if a.gen_batch > 0:  # rollout: generation with the actor adapter (KV cache, sampling)

@@ -24,12 +24,13 @@ import ppo
 import runlog
 import sandbox
 import train
+import train_config
 
 FIX = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "kernelbench")
 
 
-def tiny_cfg(out: str) -> train.TrainConfig:
-    base = train.PRESETS["tiny"]
+def tiny_cfg(out: str) -> train_config.TrainConfig:
+    base = train_config.PRESETS["tiny"]
     return dataclasses.replace(
         base, out=out, warmup_steps=2, rft_steps=0, value_pretrain_steps=0, agent_steps=0, batch_size=2,
         micro_batch_size=2, ppo_epochs=1, num_minibatches=1, demo_fraction=0.0, max_new_tokens=8,

@@ -8,7 +8,7 @@ import pytest
 tyro = pytest.importorskip("tyro")
 
 import cuda_agent  # noqa: E402
-import train  # noqa: E402
+import train_config  # noqa: E402
 from cuda_agent import main, pop_preset  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -16,8 +16,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def parse_train(argv):
     """What `cuda_agent.py train ARGV` would run, without running it."""
-    name, rest = pop_preset(argv, train.PRESETS)
-    return tyro.cli(train.TrainConfig, args=rest, default=dataclasses.replace(train.PRESETS[name], preset=name))
+    name, rest = pop_preset(argv, train_config.PRESETS)
+    return tyro.cli(train_config.TrainConfig, args=rest, default=dataclasses.replace(train_config.PRESETS[name], preset=name))
 
 
 def test_field_docstrings_become_help(capsys):
@@ -33,7 +33,7 @@ def test_flags_types_nesting_and_defaults():
                      "--env.max-turns", "1", "--env.reward", "speedup", "--sandbox.atol", "0.001"])
     assert (c.seed, c.lr_actor, c.sandbox_gpus, c.resume, c.demos) == (7, 0.5, [0, 2], True, None)
     assert (c.env.max_turns, c.env.reward, c.sandbox.atol) == (1, "speedup", 0.001)
-    assert parse_train([]) == train.PRESETS["tiny"]
+    assert parse_train([]) == train_config.PRESETS["tiny"]
 
 
 def test_preset_then_override():

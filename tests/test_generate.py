@@ -8,7 +8,8 @@ import random
 import pytest
 import torch
 
-from generate import Engine, HostKV, episode_generator, plain_turn, sample_next
+from generate import Engine, HostKV
+from sampling import episode_generator, plain_turn, sample_next
 
 try:
     from policy import build_tiny_model_and_tokenizer

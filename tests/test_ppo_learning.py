@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import ppo
-import train
+import train_config
 
 VOCAB, PROMPT, RESP, TARGET = 16, 3, 4, 7
 
@@ -57,7 +57,7 @@ def toy_cfg(**kw):
                 vf_clip=None, whiten_advantages=True, max_grad_norm=1.0, ppo_epochs=2, num_minibatches=2,
                 micro_batch_size=16, lr_actor=1e-2, lr_critic=1e-2, lr_head=3e-2)
     base.update(kw)
-    return dataclasses.replace(train.TrainConfig(), **base)
+    return dataclasses.replace(train_config.TrainConfig(), **base)
 
 
 def score(model, head, samples, cfg, device="cpu", need_logp=True):
@@ -234,7 +234,7 @@ def test_kl_reference_is_the_actor_at_the_snapshot():
     # the snapshot is part of the checkpoint: a fresh model resumed from it has the same reference
     import tempfile
     with tempfile.TemporaryDirectory() as d:
-        runlog.save_checkpoint(d, model, head, opt, 4, 1, train.TrainConfig())
+        runlog.save_checkpoint(d, model, head, opt, 4, 1, train_config.TrainConfig())
         model2, head2 = tiny_actor_critic(3)
         runlog.load_checkpoint(d, model2, head2)
         with torch.no_grad():

@@ -24,8 +24,9 @@ SCRIPT = """
 import dataclasses, json, sys
 sys.path.insert(0, {root!r})
 import train
+import train_config
 kw = json.loads(sys.argv[1])
-base = train.PRESETS["tiny"]
+base = train_config.PRESETS["tiny"]
 env = dataclasses.replace(base.env, **kw.pop("env", dict()))
 cfg = dataclasses.replace(base, env=env, **kw)
 sys.exit(train.train(cfg))
@@ -176,6 +177,7 @@ def test_batch_shares_add_up_over_ranks(monkeypatch):
     import collections
 
     import train
+
     tasks, demos = [f"t{i}" for i in range(10)], [f"d{i}" for i in range(3)]
     shares, got_tasks, got_demos = [], [], []
     for rank in range(6):
@@ -215,7 +217,9 @@ def test_rft_sample_drops_no_call_turns_and_truncated_trajectories():
     import dataclasses
 
     import train
-    cfg = train.TrainConfig()
+
+    import train_config
+    cfg = train_config.TrainConfig()
     t = _traj([(3, ["write_file"]), (2, []), (0, []), (4, ["verify", "finish"])])   # a chat turn and a 0-token one
     ids, mask = train.rft_sample(t, cfg)
     assert ids == t.ids and sum(mask) == 3 + 4 and mask[5:7] == [0, 0]   # the chat turn left the SFT mask

@@ -177,10 +177,10 @@ def test_every_command_defaults_to_device_auto():
     names its GPU sandbox."""
     import kernelbench_eval
     import synth
-    import train
-    tiny = train.PRESETS["tiny"]
-    assert (tiny.device, tiny.sandbox.device, train.TrainConfig().sandbox.device) == ("auto", "auto", "auto")
-    assert train.PRESETS["paper"].sandbox.device == "cuda"
+    import train_config
+    tiny = train_config.PRESETS["tiny"]
+    assert (tiny.device, tiny.sandbox.device, train_config.TrainConfig().sandbox.device) == ("auto", "auto", "auto")
+    assert train_config.PRESETS["paper"].sandbox.device == "cuda"
     assert cuda_agent.SolveConfig("t").sandbox.device == "auto"
     assert synth.SynthConfig().sandbox.device == "auto"
     assert kernelbench_eval.EvalConfig().sandbox.device == "auto"
@@ -233,7 +233,8 @@ def test_tiny_preset_fits_its_demonstrations_and_paper_keeps_the_recipe(tmp_path
     import sandbox
     import tasks
     import train
-    tiny, paper = train.PRESETS["tiny"], train.PRESETS["paper"]
+    import train_config
+    tiny, paper = train_config.PRESETS["tiny"], train_config.PRESETS["paper"]
     assert (paper.lam, paper.temperature, paper.lr_rft, paper.kl_coef, paper.ppo_epochs, paper.num_minibatches) == \
         (0.95, 1.0, None, 0.0, 1, 1)
     assert tiny.lr_rft > tiny.lr_actor                          # SFT learns the demos, PPO does not undo them
