@@ -149,7 +149,7 @@ def sketch(ys: list, keys: list[int]) -> list[dict]:
 # ----------------------------------------------------------------------------- baselines (trusted code)
 class Timer:
     """Times forward calls of the trusted reference (eager and `torch.compile` baselines) exactly the way a
-    candidate's timed calls are timed (`_serve`): fresh inputs drawn for every call, the NaN scrub, then
+    candidate's timed calls are timed (`sandbox_worker._serve`): fresh inputs for every call, the NaN scrub, then
     forward + device-wide synchronize in the timed region, then a sketch of the output (untimed). A speedup
     then compares like with like: on an H200 the fresh inputs and the sketch between calls add ~15-25 us to
     a 50 us launch-bound call, to the baseline's and the candidate's alike (docs/RESULTS.md)."""

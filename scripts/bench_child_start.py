@@ -45,7 +45,8 @@ def main():
     a = p.parse_args()
     sandbox.guard_library(sandbox.SandboxConfig(device=a.device))
     py = sys.executable
-    print(f"python -c pass: {wall([py, '-c', 'pass']):.3f} s; python -S -c pass: {wall([py, '-S', '-c', 'pass']):.3f} s; "
+    print(f"python -c pass: {wall([py, '-c', 'pass']):.3f} s; "
+          f"python -S -c pass: {wall([py, '-S', '-c', 'pass']):.3f} s; "
           f"python -c 'import torch': {wall([py, '-c', 'import torch'], 3):.3f} s", flush=True)
     imp = subprocess.run([py, "-X", "importtime", "-c", "pass"], capture_output=True, text=True).stderr.splitlines()
     rows = sorted((int(r.split("|")[1]), r.split("|")[2].strip()) for r in imp if r.count("|") == 2 and

@@ -173,7 +173,8 @@ def interleaved(a, guard_cls, clocks, task):
         echo.stdin.close()
         echo.wait()
     dev = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
-    print(f"\n| variant ({dev}, {a.numel} floats, {a.iters} rounds, round trip {a.round_trip}, host warm-up {a.host_warm}) | ms per call "
+    print(f"\n| variant ({dev}, {a.numel} floats, {a.iters} rounds, round trip {a.round_trip}, "
+          f"host warm-up {a.host_warm}) | ms per call "
           f"| until forward returns | sync | stamps in forward (us from t0, medians) |\n|---|---|---|---|---|")
     base = statistics.median(total["eager nn.ReLU"])
     for name, _ in variants:
@@ -188,8 +189,9 @@ def _build_host(src: str) -> str:
     d = tempfile.mkdtemp()
     with open(os.path.join(d, "k.c"), "w") as f:
         f.write(src.replace('extern "C" ', ""))
-    subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-o", os.path.join(d, "k.so"), os.path.join(d, "k.c")], check=True)
-    return os.path.join(d, "k.so")
+    so = os.path.join(d, "k.so")
+    subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-o", so, os.path.join(d, "k.c")], check=True)
+    return so
 
 
 def main():
