@@ -217,6 +217,13 @@ def test_dispatch_guard_catches_hidden_torch_call(cfg):  # the static scan refus
     assert v.violation and "dispatch guard" in v.violation and "relu" in v.violation, v.to_dict()
 
 
+@pytest.mark.parametrize("call, op", [("vars(torch.Tensor)['contiguous'](x.t()).t()", "clone"),
+                                      ("vars(torch.Tensor)['to'](x, torch.float64).float()", "_to_copy")])
+def test_dispatch_guard_sees_ops_inside_allowed_ops(cfg, call, op):  # allowed ops skip the guard's key;
+    v = run(sol(f"return {call}"), dynamic_only(cfg))                 # what they call in turn must not
+    assert v.violation and "dispatch guard" in v.violation and op in v.violation, v.to_dict()
+
+
 def test_rebinding_worker_allow_list_changes_nothing(cfg):
     head = "import sandbox_worker\nsandbox_worker.ALLOWED_OPS = frozenset(list(sandbox_worker.ALLOWED_OPS) + ['relu'])"
     v = run(sol("return vars(torch)['re' + 'lu'](x)", head=head), dynamic_only(cfg))
