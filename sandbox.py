@@ -303,7 +303,11 @@ def _prepare(form: str, sol, cfg: SandboxConfig, v: Verdict, compile_gate, wdir:
             v.compiled, v.compile_log = False, trim_log(err, False)
             v.error = "compile failed: " + (last_line(v.compile_log.split("\n")[0]) or "see compile_log")
             return None
-        copy_build(ext, os.path.join(wdir, "ext"))
+        try:
+            copy_build(ext, os.path.join(wdir, "ext"))
+        except WorkspaceError as e:  # the cold path's build dir (candidate code wrote it at import)
+            v.compiled, v.error = False, f"compile failed: load_inline build dir refused: {e}"[:400]
+            return None
     return path
 
 

@@ -175,7 +175,11 @@ def build_inline(cand: str, wdir: str, cfg: SandboxConfig) -> tuple[str, str | N
             r = spare.run(job, cfg.compile_timeout_s + 60)
             if (r.result or {}).get("built"):
                 shutil.rmtree(ext, ignore_errors=True)
-                copy_build(job["ext_dir"], ext)
+                try:
+                    copy_build(job["ext_dir"], ext)
+                except WorkspaceError as e:  # a link or special file written at import: the candidate's doing
+                    shutil.rmtree(ext, ignore_errors=True)
+                    return ext, f"load_inline build dir refused: {e}"
         else:
             r = run_child(job, jobdir, device=cfg.device, timeout_s=cfg.compile_timeout_s + 60,
                           mem_limit_mb=cfg.mem_limit_mb, writable=(ext,), hide=hidden(cfg), env=_build_env(cfg, ext))
@@ -204,7 +208,8 @@ BUILD_SPARES = Spares()  # warm build children: torch and its cpp_extension impo
 def _build_env(cfg: SandboxConfig, ext: str) -> dict:
     env = {"TORCH_EXTENSIONS_DIR": ext}
     if cfg.device == "cuda" and not os.environ.get("TORCH_CUDA_ARCH_LIST"):  # else torch brings CUDA up in the
-        env["TORCH_CUDA_ARCH_LIST"] = f"{cuda_arch()[:-1]}.{cuda_arch()[-1]}"  # build child only to ask for it
+        arch = cuda_arch()                                                      # build child only to ask for it
+        env["TORCH_CUDA_ARCH_LIST"] = f"{arch[:-1]}.{arch[-1]}"
     return env
 
 

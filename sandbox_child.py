@@ -225,14 +225,19 @@ class ChildResult:
     started: float = 0.0         # host monotonic time the child was started
 
     def phases(self) -> dict:
-        """Seconds from start to each first stage/timing message and to the result (where a check's time goes)."""
-        out, seen = {}, set()
-        for t, m in self.messages:
-            name = m.get("stage") if m.get("type") == "stage" else m.get("type")
-            if name and name not in seen:
-                seen.add(name)
-                out[f"{name}_at_s"] = round(t - self.started, 3)
-        return out
+        return phases(self.messages, self.started)
+
+
+def phases(messages: list, started: float) -> dict:
+    """Seconds from `started` to each first stage/timing message and to the result (where a check's time goes);
+    `messages` holds (host monotonic time, message) pairs."""
+    out, seen = {}, set()
+    for t, m in messages:
+        name = m.get("stage") if m.get("type") == "stage" else m.get("type")
+        if name and name not in seen:
+            seen.add(name)
+            out[f"{name}_at_s"] = round(t - started, 3)
+    return out
 
 
 def _reader(fd: int, nonce: bytes, out: list, on_msg, state: dict, max_msgs: int = 100_000):
@@ -485,7 +490,7 @@ class Child:
         if self.warm:
             if shm_bytes:  # grown and mapped before the job exists in the child
                 self._open_shm(shm_bytes)
-            self.startup = {**ChildResult(None, list(self.msgs), None, None, "", "", started=self.t_started).phases(),
+            self.startup = {**phases(self.msgs, self.t_started),
                             "job_at_s": round(time.monotonic() - self.t_started, 3)}  # a spare's start-up
             del self.msgs[:]
             self.t_started = time.monotonic()

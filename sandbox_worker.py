@@ -38,10 +38,11 @@ import time
 import traceback
 
 import sandbox_inline  # these three are bound beside this file in the child (sandbox_child.HARNESS_FILES)
-from sandbox_measure import (SKETCH_KEYS, Timer, bind_torch, flatten, import_file, load_task, make_inputs,
-                             nan_equal, one_line, scrub, set_precision, sketch, time_baselines)
+from sandbox_measure import (SKETCH_KEYS, Timer, flatten, import_file, load_task, make_inputs, nan_equal, one_line,
+                             scrub, set_precision, sketch, time_baselines)
+from sandbox_measure import bind_torch as bind_measure
 from sandbox_wire import Channel
-from sandbox_wire import bind_torch as wire_bind_torch
+from sandbox_wire import bind_torch as bind_wire
 
 # Bound before any candidate code is imported: a candidate that monkeypatches time.perf_counter or
 # torch.cuda.synchronize afterwards does not change what the harness measures with.
@@ -119,8 +120,8 @@ def _bind_torch(device: str):
     """Bind the torch functions the harness's checks and channel use, and the device-wide sync, before any
     candidate code can rebind them."""
     global _sync
-    _sync = bind_torch(device)
-    wire_bind_torch()
+    _sync = bind_measure(device)
+    bind_wire()
     _bind_helpers()
 
 

@@ -12,7 +12,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import sandbox  # noqa: E402
-from sandbox_child import Child, ChildResult, new_jobdir  # noqa: E402
+from sandbox_child import Child, new_jobdir, phases  # noqa: E402
 
 
 def wall(cmd: list[str], n: int = 5) -> float:
@@ -32,7 +32,7 @@ def spares(n: int, device: str, warm_for: str, timeout_s: float = 120) -> list[d
     t_end = time.monotonic() + timeout_s
     while time.monotonic() < t_end and not all(any(m.get("stage") == "warm" for _, m in k.msgs) for k in kids):
         time.sleep(0.05)
-    out = [ChildResult(None, list(k.msgs), None, None, "", "", started=k.t_started).phases() for k in kids]
+    out = [phases(k.msgs, k.t_started) for k in kids]
     for k in kids:
         k.kill()
     return out

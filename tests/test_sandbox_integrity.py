@@ -336,6 +336,23 @@ def test_form_a_builds_in_a_warm_build_child(cfg):
     sandbox_build.BUILD_SPARES.close()
 
 
+@pytest.mark.parametrize("spares", [0, 1])
+def test_a_link_in_the_build_dir_is_a_compile_failure(cfg, spares):
+    """A form (a) import that leaves a link in its build dir (a path out of the copy the candidate child gets)
+    is refused when the host copies the dir, in the warm and the cold build path, as the candidate's
+    compile failure: a verdict, not a sandbox error."""
+    c = dataclasses.replace(cfg, warm_spares=spares)
+    link = (f"_d = os.environ.get('TORCH_EXTENSIONS_DIR')  # {os.getpid()} {spares}\n"
+            "if _d and os.path.isdir(_d) and not os.path.lexists(os.path.join(_d, 'leak')):\n"
+            "    os.symlink('/etc/passwd', os.path.join(_d, 'leak'))")
+    v = check(RELU_TASK, sol(WORK, head=link), c)
+    assert not v.correct and not v.compiled and "build dir refused" in (v.error or ""), v.to_dict()
+    assert "internal error" not in v.error
+    if spares:
+        import sandbox_build
+        sandbox_build.BUILD_SPARES.close()
+
+
 BIG_TASK = """import torch
 import torch.nn as nn
 class Model(nn.Module):
