@@ -41,6 +41,7 @@ from kv_host import KV_HOST_BLOCK, HostKV, HostPool, offload, reload
 from sampling import cache_kwarg, episode_generator, sample_rows
 
 ATTN_NAME = "cuda_agent_ragged"
+FUSED_EXPERTS = "fused"   # moe_kernel.NAME: Triton decode experts, imported only when chosen (it imports triton)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -121,7 +122,8 @@ class _Row:
 #   query heads that share a kv head into the query axis, so grouped-query attention reads K/V once
 #   instead of `repeat_kv`-copying them (8x for Qwen3-30B-A3B) as transformers' sdpa path does with a mask;
 # * the MoE experts run with whatever `experts_implementation` the model has (transformers' default is
-#   `grouped_mm` where it can dispatch; `Engine(experts=...)` sets another one for the engine's calls).
+#   `grouped_mm` where it can dispatch; `Engine(experts=...)` sets another one for the engine's calls);
+#   `experts="fused"` registers moe_kernel.py's Triton kernels (decode at the weight-bandwidth bound).
 # Episode caches live between turns as compact tensors `(layers, 2, kv_heads, n, head_dim)` and are copied
 # into the arena at the start of a `step` and out when the row finishes (a memcpy of the cache per turn,
 # small next to a turn's decode steps).
@@ -190,6 +192,9 @@ class Engine:
         self.compact_min = compact_min or max(1, max_batch // 8)
         self.admit_min = admit_min or max(1, max_batch // 8)
         self.prefill_tokens, self.experts = prefill_tokens, experts
+        if experts == FUSED_EXPERTS:
+            import moe_kernel
+            moe_kernel.register()   # raises with one clear line when triton is not importable
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.static_batch = static_batch or self.cuda_graphs   # decode all arena rows every step (graphs need it)
         self.graph_error: str | None = None       # why CUDA-graph decode was switched off, if it was

@@ -84,7 +84,8 @@ class BenchConfig:
     stop_frac: float = 0.0
     """fraction of the vocabulary that acts as stop ids (random models rarely hit EOS; > 0 makes rows stop early)"""
     experts: str | None = None
-    """MoE experts implementation for the engine: grouped_mm | batched_mm | eager | None (model default)"""
+    """MoE experts implementation for the engine: fused (moe_kernel.py, Triton) | grouped_mm | batched_mm | eager |
+    None (model default)"""
     cuda_graphs: bool = True
     """engine decode through CUDA graphs (falls back to eager, and says why, if capture fails)"""
     static_batch: bool = False

@@ -1,0 +1,279 @@
+"""Fused MoE experts for decode: three Triton kernels behind transformers' experts interface (name "fused").
+
+Why: at the Qwen3-30B-A3B shape a 32-row decode step touches ~110 of 128 experts per layer, ~1.05 GB of
+expert weights (50 GB over 48 layers, ~11 ms at the H200's 4.8 TB/s), yet transformers' `grouped_mm` path
+spends ~18 ms in its CUTLASS grouped GEMM plus ~3 ms of routing sort/gather/index and a tail of small
+elementwise kernels (docs/RESULTS.md §3). With ~2 tokens per expert nothing is compute: the experts are a
+weight stream, and the job is to read every touched expert's weights exactly once, at full bandwidth, in
+as few launches as possible. The idea is vLLM's fused_moe; the code is our own:
+  1. `_align_kernel` (one program per expert): histogram of the S = tokens * top_k routing pairs, each
+     expert's pairs padded to a multiple of BLOCK_M, laid out expert by expert (`order`), the expert of each
+     BLOCK_M block (`block_expert`) and the padded total. Replaces sort + histc + cumsum + gathers.
+  2. `_gate_up_kernel`: per (block, N tile), gate and up tiles of one expert against the block's gathered
+     token rows, SiLU(gate) * up in the epilogue -> h (S, I) in the weights' dtype.
+  3. `_down_kernel`: h @ down^T times the pair's routing weight -> (S, H) at the pair's own row, so the
+     sum over top-k is one `view(T, K, H).sum(1)` (no inverse permutation, deterministic, no atomics).
+No host syncs and no data-dependent shapes: buffers and grids are sized by the worst case
+S + min(E, S) * (BLOCK_M - 1) padded pairs, and blocks past the padded total (read on the device) exit at
+once, so the path replays inside the engine's CUDA graphs. Triton compiles on the first (eager) call.
+
+Covers: Qwen3-MoE style experts (`gate_up_proj` (E, 2I, H) concatenated [gate; up], `down_proj` (E, H, I),
+or the transposed layout), SiLU gating, any token count up to MAX_TOKENS, bf16/fp16/fp32, weights that a peft
+`target_parameters` LoRA parametrizes (the forward reads `self.gate_up_proj`, which is then base + delta).
+Falls back to transformers' `grouped_mm` (same arguments) for: more than MAX_TOKENS tokens (prefill is
+compute-bound, CUTLASS wins), autograd (these kernels have no backward), biases, non-SiLU or custom gates,
+interleaved gate/up, post-expert norms, expert parallelism, no tokens, and CPU tensors outside the Triton
+interpreter. Does not cover: fp8/int weights, split-K for very few experts (M = 1 runs 8 experts' tiles).
+
+Block sizes: CONFIGS by token count; scripts/bench_moe.py sweeps a few and prints the best for the H200.
+Tests: python -m pytest -q tests/test_moe_kernel.py   (CPU: the Triton interpreter, set by tests/conftest.py)
+Bench: python scripts/bench_moe.py                   (H200, < 90 s)
+"""
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
+
+try:
+    from transformers.integrations.moe import _default_apply_gate   # 5.24; absent: the class's own forward
+except ImportError:
+    _default_apply_gate = None
+try:
+    import triton
+    import triton.language as tl
+    TRITON_ERROR = None
+except ImportError as e:  # CPU CI may not have it: the name is then simply not registered
+    triton, tl, TRITON_ERROR = None, None, e
+
+NAME = "fused"
+MAX_TOKENS = 256          # more tokens than this: transformers' grouped_mm (prefill)
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+class KernelCfg(NamedTuple):
+    block_n: int
+    block_k: int
+    warps: int = 4
+    stages: int = 4
+
+
+class MoeCfg(NamedTuple):
+    block_m: int
+    gate_up: KernelCfg
+    down: KernelCfg
+
+
+# (max tokens, config): the first entry whose bound covers the call's token count. H200 guesses until
+# scripts/bench_moe.py says otherwise; few tokens want narrow N tiles (more programs for 8-32 experts).
+CONFIGS = [
+    (8, MoeCfg(16, KernelCfg(32, 128), KernelCfg(32, 128))),
+    (64, MoeCfg(16, KernelCfg(64, 64), KernelCfg(64, 64))),
+    (MAX_TOKENS, MoeCfg(32, KernelCfg(64, 64), KernelCfg(64, 64))),
+]
+
+
+def pick_config(tokens: int) -> MoeCfg:
+    return next(c for bound, c in CONFIGS if tokens <= bound)
+
+
+if triton is not None:
+    @triton.jit
+    def _align_kernel(ids_ptr, order_ptr, block_expert_ptr, total_ptr, S,
+                      E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr):
+        """Program e: place expert e's pairs (ascending pair id) at its padded offset; pad slots get S."""
+        e = tl.program_id(0)
+        experts = tl.arange(0, E_PAD)
+        counts = tl.zeros((E_PAD,), tl.int32)
+        s0 = 0
+        while s0 < S:   # while, not range: triton 3.6's interpreter cannot index with a runtime bound (numpy 2.4)
+            offs = s0 + tl.arange(0, BLOCK_S)
+            ids = tl.load(ids_ptr + offs, mask=offs < S, other=-1).to(tl.int32)
+            counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)   # histogram
+            s0 += BLOCK_S
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M                  # (E_PAD,)
+        ends = tl.cumsum(padded, axis=0)
+        mine = experts == e
+        start = tl.sum(tl.where(mine, ends - padded, 0))
+        count = tl.sum(tl.where(mine, counts, 0))
+        n_pad = tl.sum(tl.where(mine, padded, 0))
+        if e == 0:
+            tl.store(total_ptr, tl.sum(padded))
+        pos = start
+        s0 = 0
+        while s0 < S:                                                         # expert e's pairs, in order
+            offs = s0 + tl.arange(0, BLOCK_S)
+            hit = (tl.load(ids_ptr + offs, mask=offs < S, other=-1).to(tl.int32) == e).to(tl.int32)
+            tl.store(order_ptr + pos + tl.cumsum(hit, axis=0) - 1, offs, mask=hit > 0)
+            pos += tl.sum(hit)
+            s0 += BLOCK_S
+        pad = tl.arange(0, BLOCK_M)
+        tl.store(order_ptr + start + count + pad, S + pad * 0, mask=count + pad < n_pad)
+        b0 = 0
+        while b0 < n_pad // BLOCK_M:                                          # the expert of each of its blocks
+            b = b0 + tl.arange(0, 16)
+            tl.store(block_expert_ptr + start // BLOCK_M + b, e + b * 0, mask=b < n_pad // BLOCK_M)
+            b0 += 16
+
+    @triton.jit
+    def _gate_up_kernel(x_ptr, w_ptr, h_ptr, order_ptr, block_expert_ptr, total_ptr, S, N, top_k,
+                        stride_xm, stride_we, stride_wn, stride_wk, stride_hm,
+                        K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+        """h[p, n] = silu(x[p // top_k] . w[e, n]) * (x[p // top_k] . w[e, N + n]) for the block's pairs p."""
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        if pid_m * BLOCK_M >= tl.load(total_ptr):
+            return
+        pairs = tl.load(order_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))   # (BM,), S = padding
+        row_ok = pairs < S
+        e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        offs_k = tl.arange(0, BLOCK_K)
+        x_ptrs = x_ptr + (pairs // top_k)[:, None] * stride_xm + offs_k[None, :]                  # (BM, BK)
+        g_ptrs = w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk  # (BK, BN)
+        u_ptrs = g_ptrs + N * stride_wn
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = offs_k < K - k0
+            x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if UPCAST:   # the interpreter's tl.dot mis-reads bf16 operands
+                x, g, u = x.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
+            acc_g = tl.dot(x, g, acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(x, u, acc_u, input_precision=PRECISION)
+            x_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K * stride_wk
+            u_ptrs += BLOCK_K * stride_wk
+        h = acc_g * tl.sigmoid(acc_g) * acc_u
+        tl.store(h_ptr + pairs[:, None] * stride_hm + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _down_kernel(h_ptr, w_ptr, out_ptr, rw_ptr, order_ptr, block_expert_ptr, total_ptr, S, N,
+                     stride_hm, stride_we, stride_wn, stride_wk, stride_om,
+                     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+        """out[p, n] = rw[p] * (h[p] . w[e, n]) for the block's pairs p."""
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        if pid_m * BLOCK_M >= tl.load(total_ptr):
+            return
+        pairs = tl.load(order_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        row_ok = pairs < S
+        e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        offs_k = tl.arange(0, BLOCK_K)
+        h_ptrs = h_ptr + pairs[:, None] * stride_hm + offs_k[None, :]
+        w_ptrs = w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = offs_k < K - k0
+            a = tl.load(h_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if UPCAST:
+                a, w = a.to(tl.float32), w.to(tl.float32)
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
+            h_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K * stride_wk
+        acc = acc * tl.load(rw_ptr + pairs, mask=row_ok, other=0).to(tl.float32)[:, None]
+        tl.store(out_ptr + pairs[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & n_ok[None, :])
+
+
+def align(top_k_index: torch.Tensor, num_experts: int, block_m: int):
+    """Pairs grouped by expert, each group padded to block_m: (order (n_blocks * block_m,) int32 pair ids
+    with S at pad slots, block_expert (n_blocks,) int32, total (1,) int32 padded pairs). Sized by the worst
+    case, so the shapes depend only on (S, E, block_m); entries past `total` are left unwritten."""
+    S = top_k_index.numel()
+    n_blocks = triton.cdiv(S + min(num_experts, S) * (block_m - 1), block_m)
+    dev = top_k_index.device
+    order = torch.empty(n_blocks * block_m, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(n_blocks, dtype=torch.int32, device=dev)
+    total = torch.empty(1, dtype=torch.int32, device=dev)
+    _align_kernel[(num_experts,)](top_k_index.reshape(-1), order, block_expert, total, S,
+                                  E_PAD=triton.next_power_of_2(num_experts), BLOCK_M=block_m,
+                                  BLOCK_S=min(64, triton.next_power_of_2(S)))
+    return order, block_expert, total
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 weights: exact fp32 products (tf32 would be off by ~1e-3); half types: tensor cores as they are."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _nk_strides(w: torch.Tensor, transposed: bool) -> tuple[int, int, int]:
+    """(expert, out-feature, in-feature) strides of a (E, out, in) weight, or of an (E, in, out) one."""
+    return (w.stride(0), w.stride(2), w.stride(1)) if transposed else w.stride()
+
+
+def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k_index: torch.Tensor,
+              top_k_weights: torch.Tensor, transposed: bool = False, cfg: MoeCfg | None = None) -> torch.Tensor:
+    """sum_k w[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = top_k_index[t, k]: x (T, H) -> (T, H).
+
+    gate_up (E, 2I, H) [gate; up] and down (E, H, I), or (E, H, 2I) and (E, I, H) with transposed=True."""
+    T, H = x.shape
+    top_k = top_k_index.shape[-1]
+    E = gate_up.shape[0]
+    I = gate_up.shape[2 if transposed else 1] // 2
+    S = T * top_k
+    cfg = cfg or pick_config(T)
+    x = x.to(gate_up.dtype).contiguous()
+    rw = top_k_weights.reshape(-1).contiguous()                                       # (S,)
+    order, block_expert, total = align(top_k_index.contiguous(), E, cfg.block_m)
+    n_blocks = block_expert.shape[0]
+    h = torch.empty(S, I, dtype=gate_up.dtype, device=x.device)                       # (S, I)
+    out = torch.empty(S, H, dtype=x.dtype, device=x.device)                           # (S, H) pair rows
+    kw = dict(BLOCK_M=cfg.block_m, UPCAST=INTERPRET, PRECISION=dot_precision(gate_up.dtype))
+    c = cfg.gate_up
+    _gate_up_kernel[(n_blocks, triton.cdiv(I, c.block_n))](
+        x, gate_up, h, order, block_expert, total, S, I, top_k, x.stride(0), *_nk_strides(gate_up, transposed),
+        h.stride(0), K=H, BLOCK_N=c.block_n, BLOCK_K=c.block_k, num_warps=c.warps, num_stages=c.stages, **kw)
+    c = cfg.down
+    _down_kernel[(n_blocks, triton.cdiv(H, c.block_n))](
+        h, down, out, rw, order, block_expert, total, S, H, h.stride(0), *_nk_strides(down, transposed),
+        out.stride(0), K=I, BLOCK_N=c.block_n, BLOCK_K=c.block_k, num_warps=c.warps, num_stages=c.stages, **kw)
+    return out.view(T, top_k, H).sum(1)                                              # (T, H), fp32 accumulate
+
+
+def why_not_fused(experts: torch.nn.Module, hidden_states: torch.Tensor) -> str | None:
+    """Why this call must take the grouped_mm path (see the module docstring), or None if the kernels apply."""
+    w = experts.gate_up_proj if getattr(experts, "has_gate", True) else None
+    checks = [
+        (triton is None, f"triton not importable ({TRITON_ERROR})"),
+        (not 0 < hidden_states.shape[0] <= MAX_TOKENS, f"{hidden_states.shape[0]} tokens (fused: 1..{MAX_TOKENS})"),
+        (w is None or getattr(experts, "has_bias", False), "no gate or biased experts"),
+        (getattr(experts, "has_post_expert_norm", False) or getattr(experts, "_is_expert_parallel", False),
+         "post-expert norm or expert parallelism"),
+        (not getattr(experts, "is_concatenated", True), "interleaved gate/up layout"),
+        (getattr(type(experts), "_apply_gate", _default_apply_gate) not in (None, _default_apply_gate)
+         or getattr(getattr(experts, "config", None), "hidden_act", "silu") not in ("silu", "swish"),
+         "gate is not SiLU(gate) * up"),
+        (w is not None and w.dtype not in (torch.bfloat16, torch.float16, torch.float32), "weight dtype"),
+        (torch.is_grad_enabled() and (hidden_states.requires_grad or (w is not None and w.requires_grad)),
+         "autograd (no backward)"),
+        (hidden_states.device.type != "cuda" and not INTERPRET, "not CUDA and not TRITON_INTERPRET=1"),
+    ]
+    return next((why for bad, why in checks if bad), None)
+
+
+def fused_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                          top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers experts-interface signature: hidden (T, H), top_k_index (T, K), top_k_weights (T, K)."""
+    if why_not_fused(self, hidden_states) is not None:
+        return ALL_EXPERTS_FUNCTIONS["grouped_mm"](self, hidden_states, top_k_index, top_k_weights)
+    out = fused_moe(hidden_states, self.gate_up_proj, self.down_proj, top_k_index, top_k_weights,
+                    transposed=getattr(self, "is_transposed", False))
+    return out.to(hidden_states.dtype)
+
+
+def register() -> str:
+    """Make `experts_implementation=NAME` available (Engine(experts=NAME) calls this); returns NAME."""
+    if triton is None:
+        raise RuntimeError(f"experts={NAME!r} needs triton, which is not importable here: {TRITON_ERROR}")
+    ExpertsInterface.register(NAME, fused_experts_forward)
+    return NAME
