@@ -66,12 +66,12 @@ class MoeCfg(NamedTuple):
     down: KernelCfg
 
 
-# (max tokens, config): the first entry whose bound covers the call's token count. H200 guesses until
-# scripts/bench_moe.py says otherwise; few tokens want narrow N tiles (more programs for 8-32 experts).
+# (max tokens, config): the first entry whose bound covers the call's token count. Swept on an H200 by
+# `python scripts/bench_moe.py --sweep-tokens 8,32,128` (docs/RESULTS.md §3): 71-82 % of the HBM bound.
 CONFIGS = [
-    (8, MoeCfg(16, KernelCfg(32, 128), KernelCfg(32, 128))),
-    (64, MoeCfg(16, KernelCfg(64, 64), KernelCfg(64, 64))),
-    (MAX_TOKENS, MoeCfg(32, KernelCfg(64, 64), KernelCfg(64, 64))),
+    (8, MoeCfg(16, KernelCfg(32, 128, 4, 4), KernelCfg(32, 128, 4, 4))),
+    (32, MoeCfg(16, KernelCfg(32, 128, 4, 4), KernelCfg(64, 128, 4, 3))),
+    (MAX_TOKENS, MoeCfg(16, KernelCfg(128, 128, 4, 3), KernelCfg(128, 128, 4, 4))),
 ]
 
 

@@ -187,6 +187,7 @@ def plain_turn_batch(model, convs, budgets, stop_ids, cfg, device):
 
 
 KERNEL_GROUPS = [   # (group, regex over kernel names), first match wins
+    ("fused MoE experts (moe_kernel, Triton)", r"_gate_up_kernel|_down_kernel|_align_kernel"),
     ("attention (torch/cuDNN/flash)", r"fmha|attention|flash|sdpa|efficient|softmax"),
     ("GEMM (cuBLAS/CUTLASS, incl. grouped)", r"gemm|nvjet|cutlass|sm90|xmma|grouped|splitK|gemv"),
     ("sort/scatter/gather/index", r"sort|scatter|index|gather|radix|cub|histogram|histc|nonzero"),

@@ -168,10 +168,11 @@ def main():
                       f"{mb / tot:.0f} GB/s ({mb / tot / HBM_GBS:.0%} of peak)", flush=True)
                 if M not in best or tot < best[M][0]:
                     best[M] = (tot, mk.MoeCfg(bm, res["gate_up"][1], res["down"][1]))
-        print(f"sweep took {time.time() - t0:.0f} s; for moe_kernel.CONFIGS (bound = the next swept M - 1, last = "
+        print(f"sweep took {time.time() - t0:.0f} s; for moe_kernel.CONFIGS (bound = the swept M, last = "
               f"MAX_TOKENS):\nCONFIGS = [")
-        for M, (_, c) in sorted(best.items()):
-            print(f"    ({M}, MoeCfg({c.block_m}, KernelCfg{tuple(c.gate_up)}, KernelCfg{tuple(c.down)})),")
+        for i, (M, (_, c)) in enumerate(sorted(best.items())):
+            bound = M if i < len(best) - 1 else "MAX_TOKENS"
+            print(f"    ({bound}, MoeCfg({c.block_m}, KernelCfg{tuple(c.gate_up)}, KernelCfg{tuple(c.down)})),")
         print("]")
 
 
