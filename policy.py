@@ -278,7 +278,7 @@ class HFPolicy:
 
     def __init__(self, model, tokenizer, max_new_tokens: int = 1024, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int = 0, engine=None, max_batch: int = 64,
-                 kv_budget_gib: float | None = None):
+                 kv_budget_gib: float | None = None, experts: str | None = None):
         self.model, self.tok = model, tokenizer
         self.max_new_tokens, self.temperature, self.top_p, self.top_k = max_new_tokens, temperature, top_p, top_k
         self.seed, self.calls = seed, 0
@@ -287,7 +287,7 @@ class HFPolicy:
             engine = generate.Engine(model, tokenizer, max_batch=max_batch, max_new_tokens=max_new_tokens,
                                      temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                      stop_ids={self.eot_id}, cuda_graphs=next(model.parameters()).is_cuda,
-                                     kv_budget_gib=kv_budget_gib)
+                                     kv_budget_gib=kv_budget_gib, experts=experts)
         self.engine = engine or None
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eot_id
 
@@ -493,6 +493,8 @@ class PolicyConfig:
     kv_budget_gib: float | None = None
     """hf: GPU memory for KV caches of the rollout engine; idle episodes are offloaded to host memory beyond it
     (None: no limit)"""
+    experts: str | None = None
+    """hf: MoE experts implementation for the rollout engine ("fused": moe_kernel.py's Triton decode kernels)"""
 
 
 def sized_policy() -> PolicyConfig:
@@ -553,7 +555,7 @@ def make_policy(cfg: PolicyConfig, device: str = "cpu", seed: int = 0, engine: b
                                        dtype="bfloat16" if device == "cuda" else "float32")
         m.eval()
         return HFPolicy(m, tok, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=seed,
-                        engine=engine, kv_budget_gib=cfg.kv_budget_gib)
+                        engine=engine, kv_budget_gib=cfg.kv_budget_gib, experts=cfg.experts)
     if cfg.kind == "openai":
         assert cfg.model, "--policy.kind openai needs --policy.model (the served model name)"
         return OpenAIPolicy(cfg.model, endpoint=cfg.endpoint, api_key_env=cfg.api_key_env,

@@ -234,7 +234,7 @@ def rollout(run: Run, n: int, demo_fraction: float, single_turn: bool, work_dir:
         run.model.set_adapter("actor")
         pol = policy.HFPolicy(run.model, run.tok, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                               seed=random.randrange(2 ** 31), engine=cfg.rollout_engine,  # fresh engine per update
-                              kv_budget_gib=cfg.kv_budget_gib)
+                              kv_budget_gib=cfg.kv_budget_gib, experts=cfg.rollout_experts)
         out += env.run_episodes(pol, task_picks, run.pool, ecfg, tokenizer=run.tok)
     if demo_picks:
         scripts = {len(task_picks) + i: demo_script(files, single_turn) for i, (_, files) in enumerate(demo_picks)}

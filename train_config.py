@@ -52,6 +52,10 @@ class TrainConfig:
     rollout_engine: bool = True
     """sample rollouts with generate.Engine (per-episode KV cache reused across turns); off: the plain
     model.generate loop that re-encodes each conversation every turn"""
+    rollout_experts: str | None = None
+    """MoE experts implementation for the rollout engine's forwards (generate.Engine(experts=)): "fused" =
+    moe_kernel.py's Triton decode kernels (H200, A3B shape: 1.6x transformers' grouped GEMM per layer at 32
+    rows, docs/RESULTS.md §3); None: the model's default"""
     kv_budget_gib: float | None = None
     """GPU memory for the rollout engine's KV caches; beyond it idle episodes' caches go to pinned host memory
     (generate.Engine; None: no limit). paper: 40 (ours: an H200 keeps ~75 GB for weights, adapters and
@@ -160,5 +164,6 @@ PRESETS = {
         batch_size=1024, micro_batch_size=1, ppo_epochs=1, num_minibatches=1,  # "one update per batch"
         lam=0.95, warmup_steps=50, rft_rollouts=1024, rft_steps=200, rft_batch_size=64,  # ours (not stated)
         value_pretrain_steps=50, agent_steps=150, checkpoint_every=1, sample_every=10, kv_budget_gib=40.0,
+        rollout_experts="fused",             # ours: the Triton decode experts (docs/RESULTS.md §3)
         mixed_probe=0),                      # the paper trains on all its tasks
 }

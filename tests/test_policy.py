@@ -177,6 +177,26 @@ def test_hf_policy_engine_path_matches_plain_path(tiny):
         assert e not in eng.episodes
 
 
+def test_hf_policy_engine_takes_the_experts_implementation(tiny):
+    """--rollout-experts reaches the engine: HFPolicy(engine=True, experts="fused") decodes through moe_kernel's
+    kernels (the Triton interpreter on CPU) and greedy turns equal the plain path's."""
+    pytest.importorskip("triton")
+    import moe_kernel
+    model, tok = tiny
+    model = model.float()
+    fast = HFPolicy(model, tok, max_new_tokens=8, temperature=0.0, engine=True, experts="fused")
+    plain = HFPolicy(model, tok, max_new_tokens=8, temperature=0.0)
+    assert fast.engine.experts == "fused"
+    calls, real = [], moe_kernel.fused_moe
+    moe_kernel.fused_moe = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        states = [EpisodeState(e, [{"role": "user", "content": f"task {e}"}], TOOLS, {}) for e in range(2)]
+        assert [a.token_ids for a in fast.act(states)] == [a.token_ids for a in plain.act(states)]
+    finally:
+        moe_kernel.fused_moe = real
+    assert calls
+
+
 # ---------------------------------------------------------------------------------------------- OpenAI client
 class _Server:
     """A stand-in /v1/chat/completions: fails once with 503, then answers with a tool call."""
