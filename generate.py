@@ -28,6 +28,7 @@ Bench: python scripts/bench_generate.py --preset small --out bench_small.json   
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass
 from typing import Hashable, Protocol
@@ -68,6 +69,13 @@ def _ragged_attention(module, query, key, value, attention_mask, dropout=0.0, sc
 
 
 AttentionInterface.register(ATTN_NAME, _ragged_attention)
+
+
+def fused_rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
+    """A Llama/Qwen RMSNorm module's forward as torch's one-op F.rms_norm: weight * x / rms(x), normalised in fp32.
+    HF's forward casts the normalised x to x's dtype before the weight multiplies; this rounds once, after it
+    (a bf16 ulp at most; the trainer recomputes log-probs with the model's own forward)."""
+    return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
 
 
 class _RaggedLayer(StaticLayer):
@@ -166,7 +174,8 @@ class Engine:
                  temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, top_k: int = 0,
                  stop_ids: set[int] | None = None, max_context: int | None = None,
                  compact_min: int | None = None, admit_min: int | None = None,
-                 prefill_tokens: int = 16384, experts: str | None = None, cuda_graphs: bool = False,
+                 prefill_tokens: int = 16384, experts: str | None = None, fused_norms: bool | None = None,
+                 cuda_graphs: bool = False,
                  static_batch: bool = False, kv_budget_gib: float | None = None, kv_evict: str = "offload",
                  kv_host_block: int = KV_HOST_BLOCK):
         self.model = model
@@ -195,6 +204,11 @@ class Engine:
         if experts == FUSED_EXPERTS:
             import moe_kernel
             moe_kernel.register()   # raises with one clear line when triton is not importable
+        # RMSNorms as one fused op each (F.rms_norm) for the engine's calls: HF's norm is eight kernels (two
+        # casts, pow, mean, add, rsqrt, two muls), 193 norms a decode step at the A3B shape. None: on CUDA only.
+        self.fused_norms = self.device.type == "cuda" if fused_norms is None else fused_norms
+        self._norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")
+                       and hasattr(m, "variance_epsilon") and isinstance(getattr(m, "weight", None), torch.Tensor)]
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.static_batch = static_batch or self.cuda_graphs   # decode all arena rows every step (graphs need it)
         self.graph_error: str | None = None       # why CUDA-graph decode was switched off, if it was
@@ -595,18 +609,23 @@ class Engine:
 
     @contextlib.contextmanager
     def _engine_impl(self):
-        """Route attention (and optionally the experts) through the engine's choice for these calls only."""
+        """Route attention (and optionally the experts and norms) through the engine's choice for these calls only."""
         cfg, old_attn = self.cfg, self.cfg._attn_implementation
         old_exp = self.model.get_experts_implementation() if self.experts else None
+        norms = self._norms if self.fused_norms else []
         cfg._attn_implementation = ATTN_NAME
         if self.experts:
             self.model.set_experts_implementation(self.experts)
+        for m in norms:   # an instance attribute shadows the class's forward until it is deleted
+            m.forward = functools.partial(fused_rms_norm, m)
         try:
             yield
         finally:
             cfg._attn_implementation = old_attn
             if self.experts:
                 self.model.set_experts_implementation(old_exp)
+            for m in norms:
+                del m.forward
 
     def _forward(self, a: int, b: int, ids: torch.Tensor, start: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
         """Rows a..b-1 of the arena: ids (B, q) written at columns start_b + j; returns logits at j = last_b, (B, V)."""

@@ -86,6 +86,8 @@ class BenchConfig:
     experts: str | None = None
     """MoE experts implementation for the engine: fused (moe_kernel.py, Triton) | grouped_mm | batched_mm | eager |
     None (model default)"""
+    fused_norms: bool = True
+    """engine RMSNorms as F.rms_norm, one op each, on CUDA (Engine's default); off: the model's own forward"""
     cuda_graphs: bool = True
     """engine decode through CUDA graphs (falls back to eager, and says why, if capture fails)"""
     static_batch: bool = False
@@ -341,7 +343,7 @@ def main(cfg: BenchConfig) -> int:
     budgets = [[rng.randint(max(1, cfg.new_tokens // 2), cfg.new_tokens) for _ in range(cfg.turns)]
                for _ in range(cfg.episodes)]
     eng = Engine(model, None, max_batch=cfg.max_batch or cfg.episodes, max_new_tokens=cfg.new_tokens,
-                 temperature=cfg.temperature, seed=cfg.seed, stop_ids=stop_ids, experts=cfg.experts,
+                 temperature=cfg.temperature, seed=cfg.seed, stop_ids=stop_ids, experts=cfg.experts, fused_norms=None if cfg.fused_norms else False,
                  cuda_graphs=cfg.cuda_graphs, static_batch=cfg.static_batch, kv_budget_gib=cfg.kv_budget_gib,
                  kv_evict=cfg.kv_evict)
 

@@ -3,6 +3,7 @@
 Each test plays several multi-turn episodes with ragged prompt/observation lengths and per-episode budgets,
 with a large stop set so that episodes stop at different points, and checks one property.
 """
+import copy
 import random
 
 import pytest
@@ -188,6 +189,29 @@ def test_cuda_graph_decode_matches_eager():
     assert eng.graph_error is None, eng.graph_error
     assert eng.stats.get("graph_replays", 0) > 0, eng.stats
     assert_same(graph, eager, tol=1e-3)
+
+
+def test_fused_norms_match_the_model_and_are_restored(model, monkeypatch):
+    """Engine RMSNorms as F.rms_norm: the same values as the module's forward (fp32: rounding; bf16: within a
+    bf16 ulp), greedy turns equal the plain reference, and the modules are themselves again after each call."""
+    from generate import fused_rms_norm
+    norm = next(m for m in model.modules() if type(m).__name__.endswith("RMSNorm"))
+    x = torch.randn(3, 5, norm.weight.shape[0])
+    with torch.no_grad():
+        torch.testing.assert_close(fused_rms_norm(norm, x), norm(x), rtol=1e-6, atol=1e-6)
+        nb = copy.deepcopy(norm).to(torch.bfloat16)
+        nb.weight.normal_()
+        xb = x.to(torch.bfloat16)
+        torch.testing.assert_close(fused_rms_norm(nb, xb).float(), nb(xb).float(), rtol=8e-3, atol=1e-2)
+    import generate
+    calls = []
+    monkeypatch.setattr(generate, "fused_rms_norm", lambda m, x: calls.append(m) or fused_rms_norm(m, x))
+    script = make_script(4, 3, seed=4)
+    outs, eng = run_engine(model, script, max_batch=3, temperature=0.0, fused_norms=True)
+    assert len(calls) >= len(eng._norms)
+    assert eng.fused_norms and len(eng._norms) == 2 * 2 * model.config.num_hidden_layers + 1   # + q/k norms
+    assert all("forward" not in vars(m) for m in eng._norms)
+    assert_same(outs, run_plain(model, script))
 
 
 def test_step_full_and_rewind(model):
