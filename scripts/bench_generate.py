@@ -506,11 +506,12 @@ def cli(argv: list[str]) -> BenchConfig:
         for f in dataclasses.fields(BenchConfig):
             flags = [f"--{f.name.replace('_', '-')}"] + ([f"--{f.name}"] if "_" in f.name else [])
             default = getattr(base, f.name)
-            if isinstance(default, bool):
+            kind = f.type.split(" ")[0]   # "float | None" -> "float"
+            if kind == "bool":
                 p.add_argument(*flags, action=argparse.BooleanOptionalAction, default=default)
             elif f.name != "preset":
-                kind = {"int": int, "float": float, "str": str}[f.type.split(" ")[0]]   # "float | None" -> float
-                p.add_argument(*flags, default=default, type=lambda v, k=kind: None if v == "None" else k(v))
+                conv = {"int": int, "float": float, "str": str}[kind]
+                p.add_argument(*flags, default=default, type=lambda v, k=conv: None if v == "None" else k(v))
         return dataclasses.replace(base, **vars(p.parse_args(rest)))
     return tyro.cli(BenchConfig, args=rest, default=base, prog="bench_generate.py")
 
