@@ -38,11 +38,11 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, StaticLayer
 
+import moe_kernel
 from kv_host import KV_HOST_BLOCK, HostKV, HostPool, offload, reload
 from sampling import cache_kwarg, episode_generator, sample_rows
 
 ATTN_NAME = "cuda_agent_ragged"
-FUSED_EXPERTS = "fused"   # moe_kernel.NAME: Triton decode experts, imported only when chosen (it imports triton)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -201,8 +201,7 @@ class Engine:
         self.compact_min = compact_min or max(1, max_batch // 8)
         self.admit_min = admit_min or max(1, max_batch // 8)
         self.prefill_tokens, self.experts = prefill_tokens, experts
-        if experts == FUSED_EXPERTS:
-            import moe_kernel
+        if experts == moe_kernel.NAME:
             moe_kernel.register()   # raises with one clear line when triton is not importable
         # RMSNorms as one fused op each (F.rms_norm) for the engine's calls: HF's norm is eight kernels (two
         # casts, pow, mean, add, rsqrt, two muls), 193 norms a decode step at the A3B shape. None: on CUDA only.

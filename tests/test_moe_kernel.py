@@ -153,14 +153,13 @@ def test_lora_parametrized_experts(fused_calls):
 
 def test_engine_fused_greedy_matches_default(fused_calls):
     """Engine(experts="fused") decodes the same greedy tokens as the model's default experts."""
-    from generate import FUSED_EXPERTS, Engine
+    from generate import Engine
     from policy import build_tiny_model_and_tokenizer
-    assert FUSED_EXPERTS == mk.NAME
     model, _ = build_tiny_model_and_tokenizer(seed=0)
     model = model.to(DEV)
     reqs = [(0, list(range(5, 17)), 6), (1, list(range(40, 47)), 6)]
     outs = []
-    for experts in (None, FUSED_EXPERTS):
+    for experts in (None, mk.NAME):
         eng = Engine(model, None, max_batch=2, temperature=0.0, stop_ids=set(), experts=experts)
         outs.append({e: (ids, lps) for e, ids, lps, _ in eng.step(reqs)})
     assert len(fused_calls) >= 2 * 6, "every forward of the fused engine (2 layers) takes the kernels"
@@ -170,12 +169,12 @@ def test_engine_fused_greedy_matches_default(fused_calls):
 
 
 def test_engine_without_triton_says_so(monkeypatch):
-    from generate import FUSED_EXPERTS, Engine
+    from generate import Engine
     from policy import build_tiny_model_and_tokenizer
     monkeypatch.setattr(mk, "triton", None)
     model, _ = build_tiny_model_and_tokenizer(seed=0)
     with pytest.raises(RuntimeError, match="needs triton"):
-        Engine(model, None, experts=FUSED_EXPERTS)
+        Engine(model, None, experts=mk.NAME)
 
 
 # ---- GPU: compiled kernels at a larger shape -------------------------------------------------------------
