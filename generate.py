@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, StaticLayer
 
+import fused_ops
 import moe_kernel
 from kv_host import KV_HOST_BLOCK, HostKV, HostPool, offload, reload
 from sampling import cache_kwarg, episode_generator, sample_rows
@@ -174,7 +175,7 @@ class Engine:
                  temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, top_k: int = 0,
                  stop_ids: set[int] | None = None, max_context: int | None = None,
                  compact_min: int | None = None, admit_min: int | None = None,
-                 prefill_tokens: int = 16384, experts: str | None = None, fused_norms: bool | None = None,
+                 prefill_tokens: int = 16384, experts: str | None = None, fused: bool | None = None,
                  cuda_graphs: bool = False,
                  static_batch: bool = False, kv_budget_gib: float | None = None, kv_evict: str = "offload",
                  kv_host_block: int = KV_HOST_BLOCK):
@@ -203,9 +204,11 @@ class Engine:
         self.prefill_tokens, self.experts = prefill_tokens, experts
         if experts == moe_kernel.NAME:
             moe_kernel.register()   # raises with one clear line when triton is not importable
-        # RMSNorms as one fused op each (F.rms_norm) for the engine's calls: HF's norm is eight kernels (two
-        # casts, pow, mean, add, rsqrt, two muls), 193 norms a decode step at the A3B shape. None: on CUDA only.
-        self.fused_norms = self.device.type == "cuda" if fused_norms is None else fused_norms
+        # Elementwise chains as one launch each for the engine's calls (None: on CUDA only): RMSNorms as torch's
+        # F.rms_norm (HF's norm is eight kernels: two casts, pow, mean, add, rsqrt, two muls; 193 norms a decode
+        # step at the A3B shape), rotary embeddings and MoE routers as fused_ops' Triton kernels.
+        self.fused = self.device.type == "cuda" if fused is None else fused
+        self._fused_targets = fused_ops.targets(model)    # (rotary namespaces, routers): found once, patched per call
         self._norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")
                        and hasattr(m, "variance_epsilon") and isinstance(getattr(m, "weight", None), torch.Tensor)]
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
@@ -611,14 +614,15 @@ class Engine:
         """Route attention (and optionally the experts and norms) through the engine's choice for these calls only."""
         cfg, old_attn = self.cfg, self.cfg._attn_implementation
         old_exp = self.model.get_experts_implementation() if self.experts else None
-        norms = self._norms if self.fused_norms else []
+        norms = self._norms if self.fused else []
         cfg._attn_implementation = ATTN_NAME
         if self.experts:
             self.model.set_experts_implementation(self.experts)
         for m in norms:   # an instance attribute shadows the class's forward until it is deleted
             m.forward = functools.partial(fused_rms_norm, m)
         try:
-            yield
+            with fused_ops.patch(*self._fused_targets) if self.fused else contextlib.nullcontext():
+                yield
         finally:
             cfg._attn_implementation = old_attn
             if self.experts:

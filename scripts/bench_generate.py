@@ -86,8 +86,9 @@ class BenchConfig:
     experts: str | None = None
     """MoE experts implementation for the engine: fused (moe_kernel.py, Triton) | grouped_mm | batched_mm | eager |
     None (model default)"""
-    fused_norms: bool = True
-    """engine RMSNorms as F.rms_norm, one op each, on CUDA (Engine's default); off: the model's own forward"""
+    fused: bool = True
+    """engine RMSNorms as F.rms_norm, rotary embeddings and MoE routers as fused_ops' kernels, one launch each, on
+    CUDA (Engine's default); --no-fused: the model's own forwards"""
     cuda_graphs: bool = True
     """engine decode through CUDA graphs (falls back to eager, and says why, if capture fails)"""
     static_batch: bool = False
@@ -190,6 +191,7 @@ def plain_turn_batch(model, convs, budgets, stop_ids, cfg, device):
 
 KERNEL_GROUPS = [   # (group, regex over kernel names), first match wins
     ("fused MoE experts (moe_kernel, Triton)", r"_gate_up_kernel|_down_kernel|_align_kernel"),
+    ("rotary and router (fused_ops, Triton)", r"_rope_kernel|_router_kernel"),
     ("attention (torch/cuDNN/flash)", r"fmha|attention|flash|sdpa|efficient|softmax"),
     ("GEMM (cuBLAS/CUTLASS, incl. grouped)", r"gemm|nvjet|cutlass|sm90|xmma|grouped|splitK|gemv"),
     ("sort/scatter/gather/index", r"sort|scatter|index|gather|radix|cub|histogram|histc|nonzero"),
@@ -343,7 +345,7 @@ def main(cfg: BenchConfig) -> int:
     budgets = [[rng.randint(max(1, cfg.new_tokens // 2), cfg.new_tokens) for _ in range(cfg.turns)]
                for _ in range(cfg.episodes)]
     eng = Engine(model, None, max_batch=cfg.max_batch or cfg.episodes, max_new_tokens=cfg.new_tokens,
-                 temperature=cfg.temperature, seed=cfg.seed, stop_ids=stop_ids, experts=cfg.experts, fused_norms=None if cfg.fused_norms else False,
+                 temperature=cfg.temperature, seed=cfg.seed, stop_ids=stop_ids, experts=cfg.experts, fused=None if cfg.fused else False,
                  cuda_graphs=cfg.cuda_graphs, static_batch=cfg.static_batch, kv_budget_gib=cfg.kv_budget_gib,
                  kv_evict=cfg.kv_evict)
 

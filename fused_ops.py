@@ -1,0 +1,184 @@
+"""One-launch replacements for two elementwise chains of a Qwen3-MoE decoder layer, for the rollout engine.
+
+Why: at the Qwen3-30B-A3B shape a 32-row decode step spends ~5 ms of ~23 in small elementwise kernels
+(docs/RESULTS.md §3), each a few microseconds of launch and a trip through HBM for a few kilobytes. Two
+chains make up most of them, per layer:
+  * rotary embedding, HF's `apply_rotary_pos_emb`: q * cos + rotate_half(q) * sin and the same for k, where
+    rotate_half is two slices, a negation and a cat: ten kernels. `_rope_kernel`: one, for q and k.
+  * the MoE router after its gate GEMM, HF's `Qwen3MoeTopKRouter`: an fp32 softmax over the experts, top-k,
+    the top-k renormalised to sum 1, a cast: five or six kernels. `_router_kernel`: one (the GEMM stays cuBLAS).
+Both compute in fp32 and round once at the end, where HF rounds after each bf16 op: outputs differ by about a
+bf16 ulp (the trainer recomputes log-probs with the model's own forward, paper §3.3). In fp32 they agree to
+~1e-6 and pick the same experts unless two router probabilities tie (then the lower expert id wins).
+
+`patch(*targets(model))` swaps them in for the engine's calls only (a context manager, like the engine's norms)
+on the modules `targets` recognises: attention modules whose forward calls a module-level `apply_rotary_pos_emb` (Llama,
+Qwen2/3 and their MoE variants) and router modules of the classes in ROUTERS. Calls they do not cover fall
+back to HF's code: cos/sin not shaped (B, L, D) like q's head dim, `unsqueeze_dim` other than 1, autograd, CPU
+tensors outside the Triton interpreter. Not covered: interleaved (GPT-J style) or partial rotary embeddings,
+routers with a bias, grouped top-k or sigmoid scores (DeepSeek-V3), more than 1,024 experts.
+
+Tests: python -m pytest -q tests/test_fused_ops.py   (CPU: the Triton interpreter, set by tests/conftest.py)
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    TRITON_ERROR = None
+except ImportError as e:  # CPU CI may not have it: patch() then changes nothing
+    triton, tl, TRITON_ERROR = None, None, e
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+ROUTERS = ("Qwen3MoeTopKRouter",)   # softmax -> top-k -> (renormalise) routers, HF's code as in transformers 5
+MAX_EXPERTS = 1024
+
+
+if triton is not None:
+    @triton.jit
+    def _rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, L, HQ, HK,
+                     sq_b, sq_h, sq_l, sk_b, sk_h, sk_l, sc_b, sc_l,
+                     HALF: tl.constexpr, BLOCK: tl.constexpr):
+        """Program (b * L + l, h): head h of token (b, l); h < HQ is a query head, the rest key heads.
+        out[:half] = x1 * cos[:half] - x2 * sin[:half], out[half:] = x2 * cos[half:] + x1 * sin[half:]."""
+        bl, h = tl.program_id(0), tl.program_id(1)
+        b, l = bl // L, bl % L
+        d = tl.arange(0, BLOCK)
+        m = d < HALF
+        c1 = tl.load(cos_ptr + b * sc_b + l * sc_l + d, mask=m, other=0).to(tl.float32)
+        c2 = tl.load(cos_ptr + b * sc_b + l * sc_l + HALF + d, mask=m, other=0).to(tl.float32)
+        s1 = tl.load(sin_ptr + b * sc_b + l * sc_l + d, mask=m, other=0).to(tl.float32)
+        s2 = tl.load(sin_ptr + b * sc_b + l * sc_l + HALF + d, mask=m, other=0).to(tl.float32)
+        if h < HQ:
+            src = q_ptr + b * sq_b + h * sq_h + l * sq_l
+            dst = qo_ptr + b * sq_b + h * sq_h + l * sq_l
+        else:
+            src = k_ptr + b * sk_b + (h - HQ) * sk_h + l * sk_l
+            dst = ko_ptr + b * sk_b + (h - HQ) * sk_h + l * sk_l
+        x1 = tl.load(src + d, mask=m, other=0).to(tl.float32)
+        x2 = tl.load(src + HALF + d, mask=m, other=0).to(tl.float32)
+        tl.store(dst + d, (x1 * c1 - x2 * s1).to(dst.dtype.element_ty), mask=m)
+        tl.store(dst + HALF + d, (x2 * c2 + x1 * s2).to(dst.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _router_kernel(logits_ptr, w_ptr, idx_ptr, E, stride_t,
+                       TOP_K: tl.constexpr, NORM: tl.constexpr, E_PAD: tl.constexpr):
+        """Program t: softmax over token t's E logits (fp32), the TOP_K largest in descending order (ties: the
+        lower expert), renormalised to sum 1 when NORM, written as weights (logits' dtype) and int64 ids."""
+        t = tl.program_id(0)
+        e = tl.arange(0, E_PAD)
+        x = tl.load(logits_ptr + t * stride_t + e, mask=e < E, other=float("-inf")).to(tl.float32)
+        p = tl.exp(x - tl.max(x, axis=0))
+        p = p / tl.sum(p, axis=0)
+        p = tl.where(e < E, p, -1.0)
+        k = tl.arange(0, TOP_K)
+        vals = tl.zeros((TOP_K,), tl.float32)
+        ids = tl.zeros((TOP_K,), tl.int64)
+        for j in tl.static_range(TOP_K):
+            best = tl.max(p, axis=0)
+            arg = tl.min(tl.where(p == best, e, E_PAD), axis=0)        # the lowest expert among ties
+            vals = tl.where(k == j, best, vals)
+            ids = tl.where(k == j, arg.to(tl.int64), ids)
+            p = tl.where(e == arg, -1.0, p)
+        if NORM:
+            vals = vals / tl.sum(vals, axis=0)
+        tl.store(w_ptr + t * TOP_K + k, vals.to(w_ptr.dtype.element_ty))
+        tl.store(idx_ptr + t * TOP_K + k, ids)
+
+
+def _runs_here(*ts: torch.Tensor) -> bool:
+    """The kernels apply: triton is importable, no autograd, CUDA tensors (or CPU ones under the interpreter)."""
+    return (triton is not None and not (torch.is_grad_enabled() and any(t.requires_grad for t in ts))
+            and all(t.device.type == "cuda" or (INTERPRET and t.device.type == "cpu") for t in ts))
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (B, Hq, L, D), k (B, Hkv, L, D) (any strides with a unit last one), cos/sin (B, L, D) -> rotated q, k."""
+    B, HQ, L, D = q.shape
+    HK = k.shape[1]
+    cos, sin = cos.expand(B, L, D), sin.expand(B, L, D)
+    if cos.stride(-1) != 1 or sin.stride() != cos.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    qo, ko = torch.empty_like(q), torch.empty_like(k)   # same strides as q, k (dense, non-overlapping views)
+    _rope_kernel[(B * L, HQ + HK)](q, k, qo, ko, cos, sin, L, HQ, HK,
+                                   q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                                   cos.stride(0), cos.stride(1),
+                                   HALF=D // 2, BLOCK=triton.next_power_of_2(D // 2))
+    return qo, ko
+
+
+def rope_applies(q, k, cos, sin, unsqueeze_dim: int) -> bool:
+    D = q.shape[-1]
+    return (unsqueeze_dim == 1 and q.dim() == 4 and k.dim() == 4 and cos.dim() == 3 and cos.shape == sin.shape
+            and cos.shape[-1] == D and k.shape[-1] == D and D % 2 == 0 and q.stride(-1) == 1 and k.stride(-1) == 1
+            and q.shape[2] == k.shape[2] == cos.shape[1] and q.dtype == k.dtype and _runs_here(q, k, cos, sin))
+
+
+def route(logits: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (T, E) -> (weights (T, top_k) in logits' dtype, ids (T, top_k) int64), as the module docstring says."""
+    T, E = logits.shape
+    w = torch.empty(T, top_k, dtype=logits.dtype, device=logits.device)
+    ids = torch.empty(T, top_k, dtype=torch.long, device=logits.device)
+    if T:
+        _router_kernel[(T,)](logits, w, ids, E, logits.stride(0), TOP_K=top_k, NORM=bool(norm),
+                             E_PAD=triton.next_power_of_2(E))
+    return w, ids
+
+
+def _router_forward(router, hidden_states: torch.Tensor):
+    """Qwen3MoeTopKRouter.forward with the chain after the gate GEMM in one launch."""
+    hidden_states = hidden_states.reshape(-1, router.hidden_dim)
+    logits = torch.nn.functional.linear(hidden_states, router.weight)                   # (T, E)
+    k = router.top_k
+    if not (_runs_here(logits, router.weight) and logits.stride(-1) == 1 and router.num_experts <= MAX_EXPERTS
+            and k == triton.next_power_of_2(k)):
+        return type(router).forward(router, hidden_states)
+    w, ids = route(logits, k, router.norm_topk_prob)
+    return logits, w, ids
+
+
+def _rope_wrapper(original):
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, *args, **kwargs):
+        if args or kwargs or not rope_applies(q, k, cos, sin, unsqueeze_dim):
+            return original(q, k, cos, sin, unsqueeze_dim, *args, **kwargs)
+        return rope(q, k, cos, sin)
+    apply_rotary_pos_emb.original = original
+    return apply_rotary_pos_emb
+
+
+def targets(model: torch.nn.Module) -> tuple[list[dict], list[torch.nn.Module]]:
+    """(module globals holding an `apply_rotary_pos_emb` that an attention forward calls, router modules)."""
+    spaces, routers = {}, []
+    for m in model.modules():
+        name = type(m).__name__
+        if name in ROUTERS:
+            routers.append(m)
+        elif name.endswith("Attention") and hasattr(type(m), "forward"):
+            g = inspect.unwrap(type(m).forward).__globals__
+            if callable(g.get("apply_rotary_pos_emb")) and "apply_rotary_pos_emb" in \
+                    inspect.unwrap(type(m).forward).__code__.co_names:
+                spaces[id(g)] = g
+    return list(spaces.values()), routers
+
+
+@contextlib.contextmanager
+def patch(spaces: list[dict], routers: list[torch.nn.Module]):
+    """Route the rotary embeddings and routers found by `targets` through the kernels inside the block."""
+    spaces, routers = (spaces, routers) if triton is not None else ([], [])
+    for g in spaces:
+        g["apply_rotary_pos_emb"] = _rope_wrapper(g["apply_rotary_pos_emb"])
+    for r in routers:   # an instance attribute shadows the class's forward until it is deleted
+        r.forward = _router_forward.__get__(r)
+    try:
+        yield
+    finally:
+        for g in spaces:
+            g["apply_rotary_pos_emb"] = g["apply_rotary_pos_emb"].original
+        for r in routers:
+            del r.forward

@@ -1,0 +1,124 @@
+"""fused_ops (one-launch rotary embedding and MoE router) against transformers' own code.
+
+Without CUDA the kernels run on CPU tensors under the Triton interpreter (TRITON_INTERPRET=1, set by
+tests/conftest.py); on a GPU machine the same tests run compiled, plus bf16 checks and a CUDA-graph replay.
+Skipped when triton is not importable.
+"""
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+pytest.importorskip("triton")
+import fused_ops  # noqa: E402
+
+if not (CUDA or fused_ops.INTERPRET):
+    pytest.skip("no CUDA and TRITON_INTERPRET != 1 when triton was imported", allow_module_level=True)
+
+from transformers import Qwen3MoeConfig  # noqa: E402
+from transformers.models.qwen3_moe import modeling_qwen3_moe as hf  # noqa: E402
+
+DEV = "cuda" if CUDA else "cpu"
+
+
+def rotary_inputs(B, L, HQ, HK, D, dtype, seed=0):
+    """q, k as the attention makes them: (B, L, H, D) projections viewed as (B, H, L, D); cos/sin from HF's
+    rotary module at ragged positions."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, L, HQ, D, generator=g).to(DEV, dtype).transpose(1, 2)
+    k = torch.randn(B, L, HK, D, generator=g).to(DEV, dtype).transpose(1, 2)
+    cfg = Qwen3MoeConfig(hidden_size=HQ * D, num_attention_heads=HQ, num_key_value_heads=HK, head_dim=D)
+    pos = torch.randint(0, 5000, (B, L), generator=g).to(DEV)
+    cos, sin = hf.Qwen3MoeRotaryEmbedding(cfg).to(DEV)(q, pos)
+    return q, k, cos, sin
+
+
+@pytest.mark.parametrize("B,L,HQ,HK,D", [(3, 1, 4, 2, 16), (2, 7, 8, 4, 128), (1, 5, 6, 6, 24)])
+def test_rope_matches_hf_fp32(B, L, HQ, HK, D):
+    q, k, cos, sin = rotary_inputs(B, L, HQ, HK, D, torch.float32)
+    assert fused_ops.rope_applies(q, k, cos, sin, 1)
+    qo, ko = fused_ops.rope(q, k, cos, sin)
+    qr, kr = hf.apply_rotary_pos_emb(q, k, cos, sin)
+    torch.testing.assert_close(qo, qr, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ko, kr, rtol=1e-5, atol=1e-5)
+    assert qo.stride() == q.stride() and ko.stride() == k.stride()
+
+
+@pytest.mark.parametrize("T,E,K,norm", [(1, 8, 2, True), (5, 128, 8, True), (9, 60, 4, False)])
+def test_router_matches_hf_fp32(T, E, K, norm):
+    cfg = Qwen3MoeConfig(hidden_size=32, num_experts=E, num_experts_per_tok=K, norm_topk_prob=norm)
+    torch.manual_seed(T)
+    r = hf.Qwen3MoeTopKRouter(cfg).to(DEV)
+    with torch.no_grad():
+        r.weight.normal_()
+        x = torch.randn(T, 32, device=DEV)
+        logits, w, ids = fused_ops._router_forward(r, x)
+        ref_logits, ref_w, ref_ids = r(x)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logits, ref_logits)
+
+
+def test_router_ties_pick_the_lower_expert():
+    w, ids = fused_ops.route(torch.zeros(2, 16, device=DEV), 4, True)
+    assert ids.tolist() == [[0, 1, 2, 3]] * 2 and torch.allclose(w, torch.full_like(w, 0.25))
+
+
+def test_fallbacks_take_hf_code():
+    """What the kernels do not cover goes to HF's code, unchanged."""
+    q, k, cos, sin = rotary_inputs(2, 3, 4, 2, 16, torch.float32)
+    assert not fused_ops.rope_applies(q, k, cos, sin, 2)                                 # other unsqueeze_dim
+    assert not fused_ops.rope_applies(q, k, cos[..., :8], sin[..., :8], 1)              # partial rotary
+    q.requires_grad_(True)
+    assert not fused_ops.rope_applies(q, k, cos, sin, 1)                                 # autograd
+    wrapped = fused_ops._rope_wrapper(hf.apply_rotary_pos_emb)
+    qo, ko = wrapped(q, k, cos, sin)
+    assert qo.requires_grad                                                              # HF's differentiable path
+
+
+def test_patch_finds_and_restores(monkeypatch):
+    """patch() swaps HF's rotary function and the routers' forward inside the block only, and the model's
+    output under it equals HF's (fp32)."""
+    cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         num_experts=8, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    model = hf.Qwen3MoeForCausalLM(cfg).to(DEV).eval()
+    spaces, routers = fused_ops.targets(model)
+    assert [g["__name__"] for g in spaces] == [hf.__name__] and len(routers) == 2
+    calls = []
+    for name, fn in (("rope", fused_ops.rope), ("route", fused_ops.route)):
+        monkeypatch.setattr(fused_ops, name, lambda *a, _f=fn, _n=name, **k: calls.append(_n) or _f(*a, **k))
+    ids = torch.randint(0, 64, (2, 6), device=DEV)
+    with torch.no_grad():
+        ref = model(ids).logits
+        with fused_ops.patch(spaces, routers):
+            out = model(ids).logits
+        again = model(ids).logits
+    assert calls.count("rope") == 2 and calls.count("route") == 2                       # one per layer
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert hf.apply_rotary_pos_emb.__name__ == "apply_rotary_pos_emb" and not hasattr(hf.apply_rotary_pos_emb,
+                                                                                       "original")
+    assert all("forward" not in vars(r) for r in routers) and torch.equal(again, ref)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_within_an_ulp_and_graph_replay():
+    q, k, cos, sin = rotary_inputs(32, 1, 32, 4, 128, torch.bfloat16)
+    qo, ko = fused_ops.rope(q, k, cos, sin)
+    qr, kr = hf.apply_rotary_pos_emb(q, k, cos, sin)
+    torch.testing.assert_close(qo.float(), qr.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(ko.float(), kr.float(), rtol=2e-2, atol=2e-2)
+    def distinct():   # bf16 logits tie often, and torch.topk breaks ties its own way: k / 16 for a permutation
+        return torch.stack([torch.randperm(128) for _ in range(32)]).to("cuda", torch.bfloat16) / 16 - 4
+
+    logits = distinct()
+    fused_ops.route(logits, 8, True)                      # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        w2, ids2 = fused_ops.route(logits, 8, True)
+    logits.copy_(distinct())
+    graph.replay()
+    p = torch.softmax(logits.float(), -1)
+    top, idx = torch.topk(p, 8)
+    assert torch.equal(ids2, idx)
+    torch.testing.assert_close(w2.float(), (top / top.sum(-1, keepdim=True)), rtol=1e-2, atol=1e-2)
