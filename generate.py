@@ -63,10 +63,23 @@ def _ragged_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         out = F.scaled_dot_product_attention(query.reshape(B, Hkv, G, D), key, value,
                                              attn_mask=attention_mask, scale=scaling)   # (B, Hkv, G, D)
         out = out.reshape(B, Hq, 1, D)
-    else:        # prefill: compute-bound, the K/V copy is cheap next to it
+    elif G > 1 and G * q <= 2 * Hq * D * key.element_size():
+        # prefill, grouped the same way: G * q queries per kv head, the mask repeated G times along the queries
+        # (built once per forward, shared by the layers) instead of K/V repeated G times in every layer. The mask
+        # is G*q*C bytes a row, the K/V copy 2*Hq*C*D*elem: at the A3B shape with 385-token feeds over 1,600
+        # columns the copy was 42 of 422 ms of a 32-row prefill (docs/RESULTS.md §3).
+        if _GROUPED_MASK[0] is not attention_mask:
+            _GROUPED_MASK[:] = [attention_mask, attention_mask.repeat(1, 1, G, 1)]         # (B, 1, G*q, C)
+        out = F.scaled_dot_product_attention(query.reshape(B, Hkv, G * q, D), key, value,
+                                             attn_mask=_GROUPED_MASK[1], scale=scaling)  # (B, Hkv, G*q, D)
+        out = out.reshape(B, Hq, q, D)
+    else:        # long prefill feeds: copying K/V G times costs less than a G-times mask
         out = F.scaled_dot_product_attention(query, key.repeat_interleave(G, dim=1), value.repeat_interleave(G, dim=1),
                                              attn_mask=attention_mask, scale=scaling)   # (B, Hq, q, D)
     return out.transpose(1, 2).contiguous(), None
+
+
+_GROUPED_MASK: list = [None, None]   # (the forward's mask, its G-times repeat); cleared after each engine forward
 
 
 AttentionInterface.register(ATTN_NAME, _ragged_attention)
@@ -638,9 +651,12 @@ class Engine:
         rows = torch.arange(B, device=self.device)[:, None]                              # (B, 1)
         cache = Cache(layers=[_RaggedLayer(self.arena[l, 0, a:b], self.arena[l, 1, a:b], rows, pos)
                               for l in range(self.n_layers)])
-        with self._engine_impl():
-            h = self.decoder(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                             **{self._cache_kw: cache}).last_hidden_state                # (B, q, hidden)
+        try:
+            with self._engine_impl():
+                h = self.decoder(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                                 **{self._cache_kw: cache}).last_hidden_state            # (B, q, hidden)
+        finally:
+            _GROUPED_MASK[:] = [None, None]
         self.stats["forwards"] += 1
         return self.head(h[torch.arange(B, device=self.device), last]).float()          # (B, V)
 

@@ -20,10 +20,10 @@ once, so the path replays inside the engine's CUDA graphs. Triton compiles on th
 Covers: Qwen3-MoE style experts (`gate_up_proj` (E, 2I, H) concatenated [gate; up], `down_proj` (E, H, I),
 or the transposed layout), SiLU gating, any token count up to MAX_TOKENS, bf16/fp16/fp32, weights that a peft
 `target_parameters` LoRA parametrizes (the forward reads `self.gate_up_proj`, which is then base + delta).
-Falls back to transformers' `grouped_mm` (same arguments) for: more than MAX_TOKENS tokens (prefill is
-compute-bound, CUTLASS wins), autograd (these kernels have no backward), biases, non-SiLU or custom gates,
-interleaved gate/up, post-expert norms, expert parallelism, no tokens, and CPU tensors outside the Triton
-interpreter. Does not cover: fp8/int weights, split-K for very few experts (M = 1 runs 8 experts' tiles).
+Above MAX_TOKENS (prefill: compute-bound, CUTLASS wins) `grouped_moe` runs transformers' grouped_mm algorithm
+on CUDA without its masked fills. Falls back to transformers' `grouped_mm` (same arguments) for: autograd
+(these kernels have no backward), biases, non-SiLU or custom gates, interleaved gate/up, post-expert norms,
+expert parallelism, no tokens, CPU tensors outside the Triton interpreter, and CPU tensors above MAX_TOKENS. Does not cover: fp8/int weights, split-K for very few experts (M = 1 runs 8 experts' tiles).
 
 Block sizes: CONFIGS by token count; scripts/bench_moe.py sweeps a few and prints the best for the H200.
 Tests: python -m pytest -q tests/test_moe_kernel.py   (CPU: the Triton interpreter, set by tests/conftest.py)
@@ -240,12 +240,35 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k_
     return out.view(T, top_k, H).sum(1)                                              # (T, H), fp32 accumulate
 
 
-def why_not_fused(experts: torch.nn.Module, hidden_states: torch.Tensor) -> str | None:
-    """Why this call must take the grouped_mm path (see the module docstring), or None if the kernels apply."""
+def grouped_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor, transposed: bool = False) -> torch.Tensor:
+    """The same sum as `fused_moe` for prefill sizes, on CUDA: pairs sorted by expert, two `torch._grouped_mm`
+    (CUTLASS) calls. transformers' grouped_mm path does the same plus masked fills of every (pairs, H) and
+    (pairs, 2I) intermediate (transformers 5.17; ~100 of 420 ms of a 12k-token A3B prefill, docs/RESULTS.md
+    §3), which this path has no use for: no expert-parallel sentinels, no backward."""
+    T, H = x.shape
+    K, E = top_k_index.shape[-1], gate_up.shape[0]
+    ids, perm = torch.sort(top_k_index.reshape(-1))                                   # (S,) pairs by expert
+    offs = torch.cumsum(torch.histc(ids.int(), bins=E, min=0, max=E - 1), 0, dtype=torch.int32)   # (E,) ends
+    xs = x.to(gate_up.dtype)[perm // K]                                               # (S, H)
+    gu = torch._grouped_mm(xs, gate_up if transposed else gate_up.transpose(1, 2), offs=offs)   # (S, 2I)
+    I = gu.shape[1] // 2
+    h = torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]                               # (S, I)
+    y = torch._grouped_mm(h, down if transposed else down.transpose(1, 2), offs=offs)  # (S, H)
+    y *= top_k_weights.reshape(-1)[perm, None].to(y.dtype)
+    out = torch.empty_like(y)
+    out[perm] = y                                                                     # back to pair order
+    return out.view(T, K, H).sum(1)                                                   # (T, H), no atomics
+
+
+def why_not_fused(experts: torch.nn.Module, hidden_states: torch.Tensor, any_size: bool = False) -> str | None:
+    """Why this call must take the grouped_mm path (see the module docstring), or None if the kernels apply.
+    any_size: every condition but the token count (the caller then picks fused_moe or grouped_moe by size)."""
     w = experts.gate_up_proj if getattr(experts, "has_gate", True) else None
     checks = [
         (triton is None, f"triton not importable ({TRITON_ERROR})"),
-        (not 0 < hidden_states.shape[0] <= MAX_TOKENS, f"{hidden_states.shape[0]} tokens (fused: 1..{MAX_TOKENS})"),
+        (not 0 < hidden_states.shape[0] <= (1 << 62 if any_size else MAX_TOKENS),
+         f"{hidden_states.shape[0]} tokens (fused: 1..{MAX_TOKENS})"),
         (w is None or getattr(experts, "has_bias", False), "no gate or biased experts"),
         (getattr(experts, "has_post_expert_norm", False) or getattr(experts, "_is_expert_parallel", False),
          "post-expert norm or expert parallelism"),
@@ -264,11 +287,14 @@ def why_not_fused(experts: torch.nn.Module, hidden_states: torch.Tensor) -> str 
 def fused_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                           top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers experts-interface signature: hidden (T, H), top_k_index (T, K), top_k_weights (T, K)."""
-    if why_not_fused(self, hidden_states) is not None:
-        return ALL_EXPERTS_FUNCTIONS["grouped_mm"](self, hidden_states, top_k_index, top_k_weights)
-    out = fused_moe(hidden_states, self.gate_up_proj, self.down_proj, top_k_index, top_k_weights,
-                    transposed=getattr(self, "is_transposed", False))
-    return out.to(hidden_states.dtype)
+    args = (hidden_states, self.gate_up_proj, self.down_proj, top_k_index, top_k_weights,
+            getattr(self, "is_transposed", False))
+    if why_not_fused(self, hidden_states, any_size=True) is None:
+        if hidden_states.shape[0] <= MAX_TOKENS:
+            return fused_moe(*args).to(hidden_states.dtype)
+        if hidden_states.is_cuda:                                  # prefill: CUTLASS grouped GEMMs, unmasked
+            return grouped_moe(*args).to(hidden_states.dtype)
+    return ALL_EXPERTS_FUNCTIONS["grouped_mm"](self, hidden_states, top_k_index, top_k_weights)
 
 
 def register() -> str:

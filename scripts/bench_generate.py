@@ -102,6 +102,9 @@ class BenchConfig:
     costs only the engine's own work (bookkeeping, sampling, host syncs); the plain loop is skipped"""
     profile_steps: int = 0
     """> 0: one extra turn of this many decode steps under torch.profiler (device time per kernel vs wall)"""
+    profile_prefill: bool = False
+    """one extra turn under torch.profiler whose observations are obs_tokens long and whose budget is 1 token:
+    the device time of an admission (cache loads, prefill, first sample) by kernel group"""
     seed: int = 0
     """seed for weights and workload"""
     out: str | None = None
@@ -199,23 +202,24 @@ KERNEL_GROUPS = [   # (group, regex over kernel names), first match wins
 ]
 
 
-def profile_decode(eng, episodes: list, steps: int, toks, device: str) -> dict:
-    """One more turn (a 1-token observation each, `steps` new tokens) under torch.profiler: device time per decode
-    step by kernel group and top kernels, against the host's wall time per step. With CUDA graphs on, a second
-    turn runs eagerly (graphs off) for comparison: the wall-time difference is launch overhead."""
+def profile_decode(eng, episodes: list, steps: int, toks, device: str, obs: int = 1) -> dict:
+    """One more turn (an `obs`-token observation each, `steps` new tokens) under torch.profiler: device time per
+    decode step by kernel group and top kernels, against the host's wall time per step. With CUDA graphs on and
+    steps > 1, a second turn runs eagerly (graphs off) for comparison: the wall-time difference is launch
+    overhead. steps = 1: the turn is one admission (its prefill), reported per admission."""
     import re
 
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     dev_t = lambda e: getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)  # noqa: E731
     out = {}
-    modes = [("graphs", True), ("eager", False)] if eng.cuda_graphs else [("eager", False)]
+    modes = [("graphs", True), ("eager", False)] if eng.cuda_graphs and steps > 1 else [("eager", False)]
     for name, graphs in modes:
         saved = eng.cuda_graphs
         eng.cuda_graphs, eng._graph = graphs, None
-        reqs = [(e, toks(1), steps) for e in episodes]
+        reqs = [(e, toks(obs), steps) for e in episodes]
         sync(device)
-        with profile(activities=acts) as prof:
+        with profile(activities=acts, record_shapes=steps == 1) as prof:
             t0 = time.perf_counter()
             outs = eng.step(reqs)
             sync(device)
@@ -229,7 +233,8 @@ def profile_decode(eng, episodes: list, steps: int, toks, device: str) -> dict:
         for e in kern:
             groups[next(g for g, rx in KERNEL_GROUPS if re.search(rx, e.key, re.I))] += dev_t(e) / 1e3 / n
         top = [(e.key[:80], dev_t(e) / 1e3 / n, e.count / n) for e in kern[:12]]
-        print(f"\n#### decode profile ({name}): {len(episodes)} rows, {n} steps (incl. the 1-token prefill step); "
+        what = "decode" if steps > 1 else f"admission ({obs}-token observations)"
+        print(f"\n#### {what} profile ({name}): {len(episodes)} rows, {n} steps (incl. the {obs}-token prefill step); "
               f"wall {1e3 * wall / n:.2f} ms/step, kernels {total:.2f} ms/step")
         print("| kernel group | ms/step |\n|---|---:|")
         for g, ms in groups.items():
@@ -237,8 +242,17 @@ def profile_decode(eng, episodes: list, steps: int, toks, device: str) -> dict:
         print("| top kernels | ms/step (launches/step) |\n|---|---:|")
         for k, ms, c in top:
             print(f"| `{k}` | {ms:.3f} ({c:.1f}) |")
+        ops = []
+        if steps == 1:   # an admission: which torch ops (with their input shapes) launched the device time
+            tot_t = lambda e: getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)  # noqa: E731
+            ops = sorted((e for e in prof.key_averages(group_by_input_shape=True)
+                          if e.key.startswith("aten::") and tot_t(e) > 0), key=tot_t, reverse=True)[:15]
+            ops = [(e.key, str(e.input_shapes)[:90], tot_t(e) / 1e3, e.count) for e in ops]
+            print("| torch op (nested ops count in their callers too) | input shapes | device ms (calls) |\n|---|---|---:|")
+            for k, shp, ms, c in ops:
+                print(f"| {k} | {shp} | {ms:.3f} ({c}) |")
         out[name] = dict(rows=len(episodes), steps=n, wall_ms_per_step=1e3 * wall / n, device_ms_per_step=total,
-                         groups=groups, top=top)
+                         groups=groups, top=top, ops=ops)
     return out
 
 
@@ -488,6 +502,9 @@ def main(cfg: BenchConfig) -> int:
         print(f"| peak GPU memory allocated | {res['peak_mem_gb']:.1f} GiB |")
     if cfg.profile_steps:
         res["profile"] = profile_decode(eng, list(range(cfg.episodes)), cfg.profile_steps, toks, device)
+    if cfg.profile_prefill:
+        res["profile_prefill"] = profile_decode(eng, list(range(cfg.episodes)), 1, toks, device, obs=cfg.obs_tokens)
+    if cfg.profile_steps or cfg.profile_prefill:
         if cfg.out:
             with open(cfg.out, "w") as f:
                 json.dump(res, f, indent=1)

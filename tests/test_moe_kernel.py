@@ -181,10 +181,12 @@ def test_engine_without_triton_says_so(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 8, 32, 200, 300])
-def test_gpu_bf16_matches_grouped_mm(T):
-    """bf16 on CUDA vs transformers' grouped_mm (300 tokens: both take grouped_mm)."""
+@pytest.mark.parametrize("T", [1, 8, 32, 200, 300, 3000])
+def test_gpu_bf16_matches_grouped_mm(T, monkeypatch):
+    """bf16 on CUDA vs transformers' grouped_mm (300 and 3000 tokens: moe_kernel's unmasked grouped_moe)."""
     mk.register()
+    calls, real = [], mk.grouped_moe
+    monkeypatch.setattr(mk, "grouped_moe", lambda *a: calls.append(1) or real(*a))
     ex = make_experts(64, 1024, 384, 8, dtype=torch.bfloat16)
     x = torch.randn(T, 1024, device=DEV, dtype=torch.bfloat16)
     idx, w = route(T, 64, 8, seed=T)
@@ -197,6 +199,7 @@ def test_gpu_bf16_matches_grouped_mm(T):
     ref = outs["grouped_mm"]
     err = (outs[mk.NAME] - ref).norm() / ref.norm()
     assert err < 1e-2, f"relative error {err:.2e}"
+    assert bool(calls) == (T > mk.MAX_TOKENS)
 
 
 @pytest.mark.gpu
