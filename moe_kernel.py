@@ -23,7 +23,8 @@ or the transposed layout), SiLU gating, any token count up to MAX_TOKENS, bf16/f
 Above MAX_TOKENS (prefill: compute-bound, CUTLASS wins) `grouped_moe` runs transformers' grouped_mm algorithm
 on CUDA without its masked fills. Falls back to transformers' `grouped_mm` (same arguments) for: autograd
 (these kernels have no backward), biases, non-SiLU or custom gates, interleaved gate/up, post-expert norms,
-expert parallelism, no tokens, CPU tensors outside the Triton interpreter, and CPU tensors above MAX_TOKENS. Does not cover: fp8/int weights, split-K for very few experts (M = 1 runs 8 experts' tiles).
+expert parallelism, no tokens, CPU tensors outside the Triton interpreter, and CPU tensors above MAX_TOKENS.
+Does not cover: fp8/int weights, split-K for very few experts (M = 1 runs 8 experts' tiles).
 
 Block sizes: CONFIGS by token count; scripts/bench_moe.py sweeps a few and prints the best for the H200.
 Tests: python -m pytest -q tests/test_moe_kernel.py   (CPU: the Triton interpreter, set by tests/conftest.py)

@@ -248,7 +248,8 @@ def profile_decode(eng, episodes: list, steps: int, toks, device: str, obs: int 
             ops = sorted((e for e in prof.key_averages(group_by_input_shape=True)
                           if e.key.startswith("aten::") and tot_t(e) > 0), key=tot_t, reverse=True)[:15]
             ops = [(e.key, str(e.input_shapes)[:90], tot_t(e) / 1e3, e.count) for e in ops]
-            print("| torch op (nested ops count in their callers too) | input shapes | device ms (calls) |\n|---|---|---:|")
+            print("| torch op (nested ops count in their callers too) | input shapes | device ms (calls) |\n"
+                  "|---|---|---:|")
             for k, shp, ms, c in ops:
                 print(f"| {k} | {shp} | {ms:.3f} ({c}) |")
         out[name] = dict(rows=len(episodes), steps=n, wall_ms_per_step=1e3 * wall / n, device_ms_per_step=total,
@@ -359,7 +360,8 @@ def main(cfg: BenchConfig) -> int:
     budgets = [[rng.randint(max(1, cfg.new_tokens // 2), cfg.new_tokens) for _ in range(cfg.turns)]
                for _ in range(cfg.episodes)]
     eng = Engine(model, None, max_batch=cfg.max_batch or cfg.episodes, max_new_tokens=cfg.new_tokens,
-                 temperature=cfg.temperature, seed=cfg.seed, stop_ids=stop_ids, experts=cfg.experts, fused=None if cfg.fused else False,
+                 temperature=cfg.temperature, seed=cfg.seed, stop_ids=stop_ids, experts=cfg.experts,
+                 fused=None if cfg.fused else False,
                  cuda_graphs=cfg.cuda_graphs, static_batch=cfg.static_batch, kv_budget_gib=cfg.kv_budget_gib,
                  kv_evict=cfg.kv_evict)
 
