@@ -1,30 +1,35 @@
-"""One-launch replacements for two elementwise chains of a Qwen3-MoE decoder layer, for the rollout engine.
+"""One-launch replacements for elementwise chains of a Llama/Qwen-style decoder layer, for the rollout engine.
 
-Why: at the Qwen3-30B-A3B shape a 32-row decode step spends ~5 ms of ~23 in small elementwise kernels
-(docs/RESULTS.md §3), each a few microseconds of launch and a trip through HBM for a few kilobytes. Two
-chains make up most of them, per layer:
+Why: at the Qwen3-30B-A3B shape a 32-row decode step spent ~9 ms of ~34 in small elementwise kernels
+(docs/RESULTS.md §3), each a few microseconds of launch and a trip through HBM for a few kilobytes. Three
+chains made up most of them, per layer:
+  * RMSNorm, HF's forward: two casts, pow, mean, add, rsqrt, two muls (four norms a layer). `rms_norm`:
+    torch's one-op F.rms_norm; it rounds once, after the weight multiplies (a bf16 ulp at most).
   * rotary embedding, HF's `apply_rotary_pos_emb`: q * cos + rotate_half(q) * sin and the same for k, where
     rotate_half is two slices, a negation and a cat: ten kernels. `_rope_kernel`: one, for q and k.
   * the MoE router after its gate GEMM, HF's `Qwen3MoeTopKRouter`: an fp32 softmax over the experts, top-k,
     the top-k renormalised to sum 1, a cast: five or six kernels. `_router_kernel`: one (the GEMM stays cuBLAS).
-Both compute in fp32 and round once at the end, where HF rounds after each bf16 op: outputs differ by about a
-bf16 ulp (the trainer recomputes log-probs with the model's own forward, paper §3.3). In fp32 they agree to
-~1e-6 and pick the same experts unless two router probabilities tie (then the lower expert id wins).
+The two Triton kernels compute in fp32 and round once at the end, where HF rounds after each bf16 op: outputs
+differ by about a bf16 ulp (the trainer recomputes log-probs with the model's own forward, paper §3.3). In fp32
+they agree to ~1e-6 and pick the same experts unless two router probabilities tie (then the lower expert wins).
 
-`patch(*targets(model))` swaps them in for the engine's calls only (a context manager, like the engine's norms)
-on the modules `targets` recognises: attention modules whose forward calls a module-level `apply_rotary_pos_emb` (Llama,
-Qwen2/3 and their MoE variants) and router modules of the classes in ROUTERS. Calls they do not cover fall
-back to HF's code: cos/sin not shaped (B, L, D) like q's head dim, `unsqueeze_dim` other than 1, autograd, CPU
-tensors outside the Triton interpreter. Not covered: interleaved (GPT-J style) or partial rotary embeddings,
-routers with a bias, grouped top-k or sigmoid scores (DeepSeek-V3), more than 1,024 experts.
+`patch(targets(model))` swaps them in for the engine's calls only (a context manager) on the modules `targets`
+recognises: RMSNorm modules with a weight and `variance_epsilon`, attention modules whose forward calls a
+module-level `apply_rotary_pos_emb` (Llama, Qwen2/3 and their MoE variants), routers of the classes in ROUTERS.
+Calls the kernels do not cover fall back to HF's code: cos/sin not shaped (B, L, D) like q's head dim,
+`unsqueeze_dim` other than 1, autograd, CPU tensors outside the Triton interpreter. Not covered: interleaved
+(GPT-J style) or partial rotary embeddings, routers with a bias, grouped top-k or sigmoid scores (DeepSeek-V3),
+more than 1,024 experts.
 
 Tests: python -m pytest -q tests/test_fused_ops.py   (CPU: the Triton interpreter, set by tests/conftest.py)
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -152,33 +157,52 @@ def _rope_wrapper(original):
     return apply_rotary_pos_emb
 
 
-def targets(model: torch.nn.Module) -> tuple[list[dict], list[torch.nn.Module]]:
-    """(module globals holding an `apply_rotary_pos_emb` that an attention forward calls, router modules)."""
-    spaces, routers = {}, []
+def rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
+    """A Llama/Qwen RMSNorm module's forward as torch's one-op F.rms_norm: weight * x / rms(x), normalised in fp32.
+    HF's forward casts the normalised x to x's dtype before the weight multiplies; this rounds once, after it
+    (a bf16 ulp at most; the trainer recomputes log-probs with the model's own forward)."""
+    return torch.nn.functional.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+
+
+class Targets(NamedTuple):
+    spaces: list[dict]                 # module globals holding the `apply_rotary_pos_emb` an attention calls
+    routers: list[torch.nn.Module]     # routers of the classes in ROUTERS
+    norms: list[torch.nn.Module]       # RMSNorms
+
+
+def targets(model: torch.nn.Module) -> Targets:
+    """The modules `patch` swaps ops in for (see the module docstring)."""
+    spaces, routers, norms = {}, [], []
     for m in model.modules():
         name = type(m).__name__
         if name in ROUTERS:
             routers.append(m)
+        elif name.endswith("RMSNorm") and hasattr(m, "variance_epsilon") and isinstance(getattr(m, "weight", None),
+                                                                                          torch.Tensor):
+            norms.append(m)
         elif name.endswith("Attention") and hasattr(type(m), "forward"):
             g = inspect.unwrap(type(m).forward).__globals__
             if callable(g.get("apply_rotary_pos_emb")) and "apply_rotary_pos_emb" in \
                     inspect.unwrap(type(m).forward).__code__.co_names:
                 spaces[id(g)] = g
-    return list(spaces.values()), routers
+    return Targets(list(spaces.values()), routers, norms)
 
 
 @contextlib.contextmanager
-def patch(spaces: list[dict], routers: list[torch.nn.Module]):
-    """Route the rotary embeddings and routers found by `targets` through the kernels inside the block."""
-    spaces, routers = (spaces, routers) if triton is not None else ([], [])
+def patch(t: Targets):
+    """Route the norms, rotary embeddings and routers found by `targets` through the fused ops inside the block
+    (the Triton ones only where triton is importable)."""
+    spaces, routers = (t.spaces, t.routers) if triton is not None else ([], [])
     for g in spaces:
         g["apply_rotary_pos_emb"] = _rope_wrapper(g["apply_rotary_pos_emb"])
     for r in routers:   # an instance attribute shadows the class's forward until it is deleted
         r.forward = _router_forward.__get__(r)
+    for m in t.norms:
+        m.forward = functools.partial(rms_norm, m)
     try:
         yield
     finally:
         for g in spaces:
             g["apply_rotary_pos_emb"] = g["apply_rotary_pos_emb"].original
-        for r in routers:
-            del r.forward
+        for m in routers + t.norms:
+            del m.forward

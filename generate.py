@@ -28,7 +28,6 @@ Bench: python scripts/bench_generate.py --preset small --out bench_small.json   
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 from dataclasses import dataclass
 from typing import Hashable, Protocol
@@ -85,13 +84,6 @@ _GROUPED_MASK: list = [None, None]   # (the forward's mask, its G-times repeat);
 AttentionInterface.register(ATTN_NAME, _ragged_attention)
 
 
-def fused_rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
-    """A Llama/Qwen RMSNorm module's forward as torch's one-op F.rms_norm: weight * x / rms(x), normalised in fp32.
-    HF's forward casts the normalised x to x's dtype before the weight multiplies; this rounds once, after it
-    (a bf16 ulp at most; the trainer recomputes log-probs with the model's own forward)."""
-    return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
-
-
 class _RaggedLayer(StaticLayer):
     """A StaticLayer over arena views where row b writes its q new tokens at its own columns cols[b]."""
 
@@ -140,12 +132,13 @@ class _Row:
 #   at its own column (StaticLayer.update uses one shared write position; ours writes per row);
 # * the 4D mask `(B, 1, q, C)` is built here (`col <= len_b + i`) and passed straight through
 #   `create_causal_mask` (its documented 4D early exit);
-# * attention is registered through `AttentionInterface` for the engine's calls only: decode folds the
-#   query heads that share a kv head into the query axis, so grouped-query attention reads K/V once
+# * attention is registered through `AttentionInterface` for the engine's calls only: decode and prefill fold
+#   the query heads that share a kv head into the query axis, so grouped-query attention reads K/V once
 #   instead of `repeat_kv`-copying them (8x for Qwen3-30B-A3B) as transformers' sdpa path does with a mask;
 # * the MoE experts run with whatever `experts_implementation` the model has (transformers' default is
 #   `grouped_mm` where it can dispatch; `Engine(experts=...)` sets another one for the engine's calls);
-#   `experts="fused"` registers moe_kernel.py's Triton kernels (decode at the weight-bandwidth bound).
+#   `experts="fused"` registers moe_kernel.py's Triton kernels (decode at the weight-bandwidth bound);
+# * `fused=` (on CUDA by default) swaps fused_ops.py's one-launch norms, rotary embeddings and routers in.
 # Episode caches live between turns as compact tensors `(layers, 2, kv_heads, n, head_dim)` and are copied
 # into the arena at the start of a `step` and out when the row finishes (a memcpy of the cache per turn,
 # small next to a turn's decode steps).
@@ -217,13 +210,10 @@ class Engine:
         self.prefill_tokens, self.experts = prefill_tokens, experts
         if experts == moe_kernel.NAME:
             moe_kernel.register()   # raises with one clear line when triton is not importable
-        # Elementwise chains as one launch each for the engine's calls (None: on CUDA only): RMSNorms as torch's
-        # F.rms_norm (HF's norm is eight kernels: two casts, pow, mean, add, rsqrt, two muls; 193 norms a decode
-        # step at the A3B shape), rotary embeddings and MoE routers as fused_ops' Triton kernels.
+        # Elementwise chains as one launch each for the engine's calls (None: on CUDA only): RMSNorms, rotary
+        # embeddings and MoE routers (fused_ops.py); the modules are found once and patched around each call.
         self.fused = self.device.type == "cuda" if fused is None else fused
-        self._fused_targets = fused_ops.targets(model)    # (rotary namespaces, routers): found once, patched per call
-        self._norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")
-                       and hasattr(m, "variance_epsilon") and isinstance(getattr(m, "weight", None), torch.Tensor)]
+        self._fused_targets = fused_ops.targets(model)
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.static_batch = static_batch or self.cuda_graphs   # decode all arena rows every step (graphs need it)
         self.graph_error: str | None = None       # why CUDA-graph decode was switched off, if it was
@@ -624,24 +614,19 @@ class Engine:
 
     @contextlib.contextmanager
     def _engine_impl(self):
-        """Route attention (and optionally the experts and norms) through the engine's choice for these calls only."""
+        """Route attention (and optionally experts and fused ops) through the engine's choice for these calls only."""
         cfg, old_attn = self.cfg, self.cfg._attn_implementation
         old_exp = self.model.get_experts_implementation() if self.experts else None
-        norms = self._norms if self.fused else []
         cfg._attn_implementation = ATTN_NAME
         if self.experts:
             self.model.set_experts_implementation(self.experts)
-        for m in norms:   # an instance attribute shadows the class's forward until it is deleted
-            m.forward = functools.partial(fused_rms_norm, m)
         try:
-            with fused_ops.patch(*self._fused_targets) if self.fused else contextlib.nullcontext():
+            with fused_ops.patch(self._fused_targets) if self.fused else contextlib.nullcontext():
                 yield
         finally:
             cfg._attn_implementation = old_attn
             if self.experts:
                 self.model.set_experts_implementation(old_exp)
-            for m in norms:
-                del m.forward
 
     def _forward(self, a: int, b: int, ids: torch.Tensor, start: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
         """Rows a..b-1 of the arena: ids (B, q) written at columns start_b + j; returns logits at j = last_b, (B, V)."""

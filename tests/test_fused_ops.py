@@ -76,29 +76,29 @@ def test_fallbacks_take_hf_code():
 
 
 def test_patch_finds_and_restores(monkeypatch):
-    """patch() swaps HF's rotary function and the routers' forward inside the block only, and the model's
-    output under it equals HF's (fp32)."""
+    """patch() swaps HF's rotary function and the routers' and norms' forward inside the block only, and the
+    model's output under it equals HF's (fp32)."""
     cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                          num_experts=8, num_experts_per_tok=2)
     torch.manual_seed(0)
     model = hf.Qwen3MoeForCausalLM(cfg).to(DEV).eval()
-    spaces, routers = fused_ops.targets(model)
-    assert [g["__name__"] for g in spaces] == [hf.__name__] and len(routers) == 2
+    t = fused_ops.targets(model)
+    assert [g["__name__"] for g in t.spaces] == [hf.__name__] and len(t.routers) == 2 and len(t.norms) == 9
     calls = []
     for name, fn in (("rope", fused_ops.rope), ("route", fused_ops.route)):
         monkeypatch.setattr(fused_ops, name, lambda *a, _f=fn, _n=name, **k: calls.append(_n) or _f(*a, **k))
     ids = torch.randint(0, 64, (2, 6), device=DEV)
     with torch.no_grad():
         ref = model(ids).logits
-        with fused_ops.patch(spaces, routers):
+        with fused_ops.patch(t):
             out = model(ids).logits
         again = model(ids).logits
     assert calls.count("rope") == 2 and calls.count("route") == 2                       # one per layer
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     assert hf.apply_rotary_pos_emb.__name__ == "apply_rotary_pos_emb" and not hasattr(hf.apply_rotary_pos_emb,
                                                                                        "original")
-    assert all("forward" not in vars(r) for r in routers) and torch.equal(again, ref)
+    assert all("forward" not in vars(m) for m in t.routers + t.norms) and torch.equal(again, ref)
 
 
 @pytest.mark.gpu

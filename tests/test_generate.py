@@ -195,7 +195,8 @@ def test_fused_ops_match_the_model_and_are_restored(model, monkeypatch):
     """Engine(fused=True): RMSNorms as F.rms_norm (the same values as the module's forward: fp32 rounding; bf16
     within a bf16 ulp), rotary embeddings and routers through fused_ops' kernels (the Triton interpreter on
     CPU); greedy turns equal the plain reference, and the model is itself again after each call."""
-    from generate import fused_rms_norm
+    import fused_ops
+    from fused_ops import rms_norm as fused_rms_norm
     norm = next(m for m in model.modules() if type(m).__name__.endswith("RMSNorm"))
     x = torch.randn(3, 5, norm.weight.shape[0])
     with torch.no_grad():
@@ -204,22 +205,21 @@ def test_fused_ops_match_the_model_and_are_restored(model, monkeypatch):
         nb.weight.normal_()
         xb = x.to(torch.bfloat16)
         torch.testing.assert_close(fused_rms_norm(nb, xb).float(), nb(xb).float(), rtol=8e-3, atol=1e-2)
-    import fused_ops
-    import generate
     calls = []
-    monkeypatch.setattr(generate, "fused_rms_norm", lambda m, x: calls.append(m) or fused_rms_norm(m, x))
+    monkeypatch.setattr(fused_ops, "rms_norm", lambda m, x: calls.append(m) or fused_rms_norm(m, x))
     if fused_ops.triton is not None and fused_ops.INTERPRET:
         for name in ("rope", "route"):
             real = getattr(fused_ops, name)
             monkeypatch.setattr(fused_ops, name, lambda *a, _f=real, _n=name: calls.append(_n) or _f(*a))
     script = make_script(4, 3, seed=4)
     outs, eng = run_engine(model, script, max_batch=3, temperature=0.0, fused=True)
-    assert len([c for c in calls if not isinstance(c, str)]) >= len(eng._norms)
-    assert eng.fused and len(eng._norms) == 2 * 2 * model.config.num_hidden_layers + 1   # + q/k norms
+    norms = eng._fused_targets.norms
+    assert len([c for c in calls if not isinstance(c, str)]) >= len(norms)
+    assert eng.fused and len(norms) == 2 * 2 * model.config.num_hidden_layers + 1   # + q/k norms
     if fused_ops.triton is not None and fused_ops.INTERPRET:
         L = model.config.num_hidden_layers
         assert calls.count("rope") >= L and calls.count("route") >= L
-    assert all("forward" not in vars(m) for m in eng._norms + eng._fused_targets[1])
+    assert all("forward" not in vars(m) for m in norms + eng._fused_targets.routers)
     assert_same(outs, run_plain(model, script))
 
 
