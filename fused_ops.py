@@ -122,7 +122,8 @@ def rope_applies(q, k, cos, sin, unsqueeze_dim: int) -> bool:
     D = q.shape[-1]
     return (unsqueeze_dim == 1 and q.dim() == 4 and k.dim() == 4 and cos.dim() == 3 and cos.shape == sin.shape
             and cos.shape[-1] == D and k.shape[-1] == D and D % 2 == 0 and q.stride(-1) == 1 and k.stride(-1) == 1
-            and q.shape[2] == k.shape[2] == cos.shape[1] and q.dtype == k.dtype and _runs_here(q, k, cos, sin))
+            and q.shape[2] == k.shape[2] == cos.shape[1] and cos.shape[0] in (1, q.shape[0]) and q.dtype == k.dtype
+            and _runs_here(q, k, cos, sin))
 
 
 def route(logits: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -68,6 +68,10 @@ def test_fallbacks_take_hf_code():
     q, k, cos, sin = rotary_inputs(2, 3, 4, 2, 16, torch.float32)
     assert not fused_ops.rope_applies(q, k, cos, sin, 2)                                 # other unsqueeze_dim
     assert not fused_ops.rope_applies(q, k, cos[..., :8], sin[..., :8], 1)              # partial rotary
+    assert fused_ops.rope_applies(q, k, cos[:1], sin[:1], 1)                             # cos/sin broadcast
+    for a, b in zip(fused_ops.rope(q, k, cos[:1], sin[:1]), hf.apply_rotary_pos_emb(q, k, cos[:1], sin[:1])):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert not fused_ops.rope_applies(q[:1], k[:1], cos, sin, 1)                         # batch mismatch
     q.requires_grad_(True)
     assert not fused_ops.rope_applies(q, k, cos, sin, 1)                                 # autograd
     wrapped = fused_ops._rope_wrapper(hf.apply_rotary_pos_emb)
