@@ -1,4 +1,4 @@
-"""One-launch replacements for elementwise chains of a Llama/Qwen-style decoder layer, for the rollout engine.
+"""One-launch replacements for chains of small kernels in a Llama/Qwen-style decoder layer, for the rollout engine.
 
 Why: at the Qwen3-30B-A3B shape a 32-row decode step spent ~9 ms of ~34 in small elementwise kernels
 (docs/RESULTS.md §3), each a few microseconds of launch and a trip through HBM for a few kilobytes. Three
@@ -9,9 +9,15 @@ chains made up most of them, per layer:
     rotate_half is two slices, a negation and a cat: ten kernels. `_rope_kernel`: one, for q and k.
   * the MoE router after its gate GEMM, HF's `Qwen3MoeTopKRouter`: an fp32 softmax over the experts, top-k,
     the top-k renormalised to sum 1, a cast: five or six kernels. `_router_kernel`: one (the GEMM stays cuBLAS).
-The two Triton kernels compute in fp32 and round once at the end, where HF rounds after each bf16 op: outputs
-differ by about a bf16 ulp (the trainer recomputes log-probs with the model's own forward, paper §3.3). In fp32
-they agree to ~1e-6 and pick the same experts unless two router probabilities tie (then the lower expert wins).
+And, opt-in (`Engine(attention="triton")`), `decode_attention`: one decode step's attention over the engine's
+ragged KV arena, split-K flash decoding that reads each row's keys only up to its length, where torch's SDPA
+with a boolean mask reads every arena column and the mask (~47 % of the KV-read bound at ~3,800 tokens of
+context). Tested against SDPA (fp32 on the interpreter; bf16 and graph replay on a GPU); not yet timed.
+
+The rotary and router kernels compute in fp32 and round once at the end, where HF rounds after each bf16 op:
+outputs differ by about a bf16 ulp (the trainer recomputes log-probs with the model's own forward, paper §3.3).
+In fp32 they agree to ~1e-6 and pick the same experts unless two router probabilities tie (then the lower
+expert wins).
 
 `patch(targets(model))` swaps them in for the engine's calls only (a context manager) on the modules `targets`
 recognises: RMSNorm modules with a weight and `variance_epsilon`, attention modules whose forward calls a
@@ -97,6 +103,58 @@ if triton is not None:
         tl.store(idx_ptr + t * TOP_K + k, ids)
 
 
+    @triton.jit
+    def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, lens_ptr, part_ptr, SPLIT, sq_b, sq_h, sk_b, sk_h, sk_c,
+                            sv_b, sv_h, sv_c, scale, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                            BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr, PRECISION: tl.constexpr):
+        """Program (b, h, s): the G query heads of kv head h of row b against columns [s*SPLIT, (s+1)*SPLIT) of
+        the row's first lens[b] columns, online softmax; writes (acc (G, D), max, sum) to part[b, h, s]."""
+        b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        n = tl.load(lens_ptr + b).to(tl.int32)
+        lo = s * SPLIT
+        hi = tl.minimum(lo + SPLIT, n)
+        g, d = tl.arange(0, G_PAD), tl.arange(0, D)
+        q = tl.load(q_ptr + b * sq_b + (h * G + g[:, None]) * sq_h + d[None, :], mask=g[:, None] < G, other=0)
+        m = tl.full((G_PAD,), float("-inf"), tl.float32)
+        l = tl.zeros((G_PAD,), tl.float32)
+        acc = tl.zeros((G_PAD, D), tl.float32)
+        start = lo
+        while start < hi:   # while, not range: the interpreter cannot run a range with runtime bounds here
+            cols = start + tl.arange(0, BLOCK_N)
+            ok = cols < hi
+            k = tl.load(k_ptr + b * sk_b + h * sk_h + cols[:, None] * sk_c + d[None, :], mask=ok[:, None], other=0)
+            sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale                  # (G_PAD, BLOCK_N)
+            sc = tl.where(ok[None, :], sc, float("-inf"))
+            m_new = tl.maximum(m, tl.max(sc, axis=1))
+            p = tl.exp(sc - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            v = tl.load(v_ptr + b * sv_b + h * sv_h + cols[:, None] * sv_c + d[None, :], mask=ok[:, None], other=0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            l = l * alpha + tl.sum(p, axis=1)
+            m = m_new
+            start += BLOCK_N
+        base = part_ptr + ((b * tl.num_programs(1) + h) * NSPLIT + s) * G * (D + 2)
+        rows = g[:, None] < G
+        tl.store(base + g[:, None] * (D + 2) + d[None, :], acc, mask=rows)
+        tl.store(base + g * (D + 2) + D, m, mask=g < G)
+        tl.store(base + g * (D + 2) + D + 1, l, mask=g < G)
+
+    @triton.jit
+    def _decode_combine_kernel(part_ptr, out_ptr, so_b, G: tl.constexpr, D: tl.constexpr, NSPLIT: tl.constexpr,
+                               S_PAD: tl.constexpr):
+        """Program (b, h, g): the splits' partial softmaxes merged -> out[b, 0, h*G + g, :]."""
+        b, h, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        sp, d = tl.arange(0, S_PAD), tl.arange(0, D)
+        base = part_ptr + (b * tl.num_programs(1) + h) * NSPLIT * G * (D + 2) + g * (D + 2)
+        at = base + sp * G * (D + 2)
+        m = tl.load(at + D, mask=sp < NSPLIT, other=float("-inf"))
+        l = tl.load(at + D + 1, mask=sp < NSPLIT, other=0)
+        w = tl.where(m > float("-inf"), tl.exp(m - tl.max(m, axis=0)), 0.0)               # empty splits: 0
+        acc = tl.load(at[:, None] + d[None, :], mask=(sp < NSPLIT)[:, None], other=0)   # (S_PAD, D)
+        o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+        tl.store(out_ptr + b * so_b + (h * G + g) * D + d, o.to(out_ptr.dtype.element_ty))
+
+
 def _runs_here(*ts: torch.Tensor) -> bool:
     """The kernels apply: triton is importable, no autograd, CUDA tensors (or CPU ones under the interpreter)."""
     return (triton is not None and not (torch.is_grad_enabled() and any(t.requires_grad for t in ts))
@@ -135,6 +193,47 @@ def route(logits: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, t
         _router_kernel[(T,)](logits, w, ids, E, logits.stride(0), TOP_K=top_k, NORM=bool(norm),
                              E_PAD=triton.next_power_of_2(E))
     return w, ids
+
+
+DECODE_BLOCK_N = 64        # key columns per inner step of the decode attention
+DECODE_SPLIT_MIN = 512     # columns per program at least; more columns -> more programs per (row, kv head)
+
+
+def decode_attention_applies(query: torch.Tensor, key: torch.Tensor) -> bool:
+    """query (B, Hq, 1, D) and key (B, Hkv, C, D) with unit last strides, D a power of two, on a device that
+    runs the kernel."""
+    if triton is None:
+        return False
+    D = query.shape[-1]
+    return (query.shape[2] == 1 and D == triton.next_power_of_2(D) and D >= 16 and query.stride(-1) == 1
+            and key.stride(-1) == 1 and query.shape[1] % key.shape[1] == 0 and query.dtype == key.dtype
+            and _runs_here(query, key))
+
+
+def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lens: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """One decode step's attention over a ragged KV arena: row b attends its first lens[b] columns only.
+
+    query (B, Hq, 1, D); key/value (B, Hkv, C, D) (arena views, any strides with a unit last one); lens (B,)
+    -> (B, 1, Hq, D). Split-K flash decoding: each program reads one (row, kv head, column range) and the G
+    query heads that share the kv head ride along in one tile, so K/V are read once per row and only up to
+    the row's length (SDPA with a boolean mask reads all C columns and the mask). The number of splits depends
+    on C only, so the launch replays in a CUDA graph while lengths change."""
+    B, HQ, _, D = query.shape
+    HK, C = key.shape[1], key.shape[2]
+    G = HQ // HK
+    nsplit = max(1, min(16, C // DECODE_SPLIT_MIN))
+    split = triton.cdiv(triton.cdiv(C, nsplit), DECODE_BLOCK_N) * DECODE_BLOCK_N
+    part = torch.empty(B, HK, nsplit, G, D + 2, dtype=torch.float32, device=query.device)
+    out = torch.empty(B, 1, HQ, D, dtype=query.dtype, device=query.device)
+    _decode_attn_kernel[(B, HK, nsplit)](
+        query, key, value, lens, part, split, query.stride(0), query.stride(1), key.stride(0), key.stride(1),
+        key.stride(2), value.stride(0), value.stride(1), value.stride(2), scale, G=G,
+        G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK_N=DECODE_BLOCK_N, NSPLIT=nsplit,
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32")
+    _decode_combine_kernel[(B, HK, G)](part, out, out.stride(0), G=G, D=D, NSPLIT=nsplit,
+                                       S_PAD=triton.next_power_of_2(nsplit))
+    return out
 
 
 def _router_forward(router, hidden_states: torch.Tensor):

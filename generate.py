@@ -50,14 +50,31 @@ ATTN_NAME = "cuda_agent_ragged"
 # --------------------------------------------------------------------------------------------------
 
 
-def _ragged_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+def _per_forward(mask: torch.Tensor, name: str, make):
+    """A tensor derived from this forward's mask: made by the first layer that asks, shared by the others."""
+    if _PER_FORWARD.get("mask") is not mask:
+        _PER_FORWARD.clear()
+        _PER_FORWARD["mask"] = mask
+    if name not in _PER_FORWARD:
+        _PER_FORWARD[name] = make()
+    return _PER_FORWARD[name]
+
+
+_PER_FORWARD: dict = {}   # the forward's mask and what _per_forward made from it; cleared after each forward
+
+
+def _ragged_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, decode=None, **kwargs):
     """query (B, Hq, q, D); key/value (B, Hkv, C, D) arena views; attention_mask (B, 1, q, C) bool (True = attend).
 
-    Returns (B, q, Hq, D) like transformers' sdpa_attention_forward.
+    Returns (B, q, Hq, D) like transformers' sdpa_attention_forward. decode: fused_ops.decode_attention for
+    q = 1 (registered as ATTN_NAME + "_triton"), reading each row's keys only up to its length.
     """
     B, Hq, q, D = query.shape
     Hkv = key.shape[1]
     G = Hq // Hkv
+    if q == 1 and decode is not None and fused_ops.decode_attention_applies(query, key):
+        lens = _per_forward(attention_mask, "lens", lambda: attention_mask[:, 0, 0].sum(-1))        # (B,)
+        return decode(query, key, value, lens, D ** -0.5 if scaling is None else scaling), None
     if q == 1:   # decode: the G heads sharing kv head h become G "queries" of h -> no K/V copy
         out = F.scaled_dot_product_attention(query.reshape(B, Hkv, G, D), key, value,
                                              attn_mask=attention_mask, scale=scaling)   # (B, Hkv, G, D)
@@ -67,10 +84,9 @@ def _ragged_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         # (built once per forward, shared by the layers) instead of K/V repeated G times in every layer. The mask
         # is G*q*C bytes a row, the K/V copy 2*Hq*C*D*elem: at the A3B shape with 385-token feeds over 1,600
         # columns the copy was 42 of 422 ms of a 32-row prefill (docs/RESULTS.md §3).
-        if _GROUPED_MASK[0] is not attention_mask:
-            _GROUPED_MASK[:] = [attention_mask, attention_mask.repeat(1, 1, G, 1)]         # (B, 1, G*q, C)
+        mask = _per_forward(attention_mask, "grouped", lambda: attention_mask.repeat(1, 1, G, 1))  # (B, 1, G*q, C)
         out = F.scaled_dot_product_attention(query.reshape(B, Hkv, G * q, D), key, value,
-                                             attn_mask=_GROUPED_MASK[1], scale=scaling)  # (B, Hkv, G*q, D)
+                                             attn_mask=mask, scale=scaling)              # (B, Hkv, G*q, D)
         out = out.reshape(B, Hq, q, D)
     else:        # long prefill feeds: copying K/V G times costs less than a G-times mask
         out = F.scaled_dot_product_attention(query, key.repeat_interleave(G, dim=1), value.repeat_interleave(G, dim=1),
@@ -78,10 +94,12 @@ def _ragged_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     return out.transpose(1, 2).contiguous(), None
 
 
-_GROUPED_MASK: list = [None, None]   # (the forward's mask, its G-times repeat); cleared after each engine forward
+def _ragged_attention_triton(*args, **kwargs):
+    return _ragged_attention(*args, decode=fused_ops.decode_attention, **kwargs)
 
 
 AttentionInterface.register(ATTN_NAME, _ragged_attention)
+AttentionInterface.register(ATTN_NAME + "_triton", _ragged_attention_triton)
 
 
 class _RaggedLayer(StaticLayer):
@@ -182,7 +200,7 @@ class Engine:
                  stop_ids: set[int] | None = None, max_context: int | None = None,
                  compact_min: int | None = None, admit_min: int | None = None,
                  prefill_tokens: int = 16384, experts: str | None = None, fused: bool | None = None,
-                 cuda_graphs: bool = False,
+                 attention: str = "sdpa", cuda_graphs: bool = False,
                  static_batch: bool = False, kv_budget_gib: float | None = None, kv_evict: str = "offload",
                  kv_host_block: int = KV_HOST_BLOCK):
         self.model = model
@@ -214,6 +232,12 @@ class Engine:
         # embeddings and MoE routers (fused_ops.py); the modules are found once and patched around each call.
         self.fused = self.device.type == "cuda" if fused is None else fused
         self._fused_targets = fused_ops.targets(model)
+        # decode attention: "sdpa" (torch, a boolean mask over all arena columns) or "triton" (fused_ops: each
+        # row's keys only up to its length; prefill stays sdpa)
+        assert attention in ("sdpa", "triton"), f"attention={attention!r}: sdpa | triton"
+        if attention == "triton" and fused_ops.triton is None:
+            raise RuntimeError(f"attention='triton' needs triton, not importable here: {fused_ops.TRITON_ERROR}")
+        self.attn_name = ATTN_NAME + ("_triton" if attention == "triton" else "")
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.static_batch = static_batch or self.cuda_graphs   # decode all arena rows every step (graphs need it)
         self.graph_error: str | None = None       # why CUDA-graph decode was switched off, if it was
@@ -617,7 +641,7 @@ class Engine:
         """Route attention (and optionally experts and fused ops) through the engine's choice for these calls only."""
         cfg, old_attn = self.cfg, self.cfg._attn_implementation
         old_exp = self.model.get_experts_implementation() if self.experts else None
-        cfg._attn_implementation = ATTN_NAME
+        cfg._attn_implementation = self.attn_name
         if self.experts:
             self.model.set_experts_implementation(self.experts)
         try:
@@ -641,7 +665,7 @@ class Engine:
                 h = self.decoder(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
                                  **{self._cache_kw: cache}).last_hidden_state            # (B, q, hidden)
         finally:
-            _GROUPED_MASK[:] = [None, None]
+            _PER_FORWARD.clear()
         self.stats["forwards"] += 1
         return self.head(h[torch.arange(B, device=self.device), last]).float()          # (B, V)
 

@@ -89,6 +89,9 @@ class BenchConfig:
     fused: bool = True
     """engine RMSNorms as F.rms_norm, rotary embeddings and MoE routers as fused_ops' kernels, one launch each, on
     CUDA (Engine's default); --no-fused: the model's own forwards"""
+    attention: str = "sdpa"
+    """engine decode attention: sdpa (boolean mask over the arena's columns) | triton (fused_ops: each row's
+    keys up to its length)"""
     cuda_graphs: bool = True
     """engine decode through CUDA graphs (falls back to eager, and says why, if capture fails)"""
     static_batch: bool = False
@@ -194,7 +197,7 @@ def plain_turn_batch(model, convs, budgets, stop_ids, cfg, device):
 
 KERNEL_GROUPS = [   # (group, regex over kernel names), first match wins
     ("fused MoE experts (moe_kernel, Triton)", r"_gate_up_kernel|_down_kernel|_align_kernel"),
-    ("rotary and router (fused_ops, Triton)", r"_rope_kernel|_router_kernel"),
+    ("rotary, router, decode attention (fused_ops, Triton)", r"_rope_kernel|_router_kernel|_decode_"),
     ("attention (torch/cuDNN/flash)", r"fmha|attention|flash|sdpa|efficient|softmax"),
     ("GEMM (cuBLAS/CUTLASS, incl. grouped)", r"gemm|nvjet|cutlass|sm90|xmma|grouped|splitK|gemv"),
     ("sort/scatter/gather/index", r"sort|scatter|index|gather|radix|cub|histogram|histc|nonzero"),
@@ -361,7 +364,7 @@ def main(cfg: BenchConfig) -> int:
                for _ in range(cfg.episodes)]
     eng = Engine(model, None, max_batch=cfg.max_batch or cfg.episodes, max_new_tokens=cfg.new_tokens,
                  temperature=cfg.temperature, seed=cfg.seed, stop_ids=stop_ids, experts=cfg.experts,
-                 fused=None if cfg.fused else False,
+                 fused=None if cfg.fused else False, attention=cfg.attention,
                  cuda_graphs=cfg.cuda_graphs, static_batch=cfg.static_batch, kv_budget_gib=cfg.kv_budget_gib,
                  kv_evict=cfg.kv_evict)
 

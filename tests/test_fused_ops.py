@@ -1,4 +1,4 @@
-"""fused_ops (one-launch rotary embedding and MoE router) against transformers' own code.
+"""fused_ops (one-launch rotary embedding, MoE router and decode attention) against transformers' and torch's code.
 
 Without CUDA the kernels run on CPU tensors under the Triton interpreter (TRITON_INTERPRET=1, set by
 tests/conftest.py); on a GPU machine the same tests run compiled, plus bf16 checks and a CUDA-graph replay.
@@ -103,6 +103,49 @@ def test_patch_finds_and_restores(monkeypatch):
     assert hf.apply_rotary_pos_emb.__name__ == "apply_rotary_pos_emb" and not hasattr(hf.apply_rotary_pos_emb,
                                                                                        "original")
     assert all("forward" not in vars(m) for m in t.routers + t.norms) and torch.equal(again, ref)
+
+
+def ragged_arena(B, HK, G, C, D, dtype, seed=0):
+    """K/V as arena views (a row of the arena skipped, so strides are not contiguous), q as HF makes it, and
+    per-row lengths in [1, C]."""
+    g = torch.Generator().manual_seed(seed)
+    arena = torch.randn(2, B + 1, HK, C, D, generator=g).to(DEV, dtype)
+    q = torch.randn(B, 1, HK * G, D, generator=g).to(DEV, dtype).transpose(1, 2)       # (B, Hq, 1, D)
+    lens = torch.randint(1, C + 1, (B,), generator=g).to(DEV)
+    return q, arena[0, 1:], arena[1, 1:], lens
+
+
+def sdpa_decode(q, k, v, lens):
+    B, HQ, _, D = q.shape
+    HK, C = k.shape[1], k.shape[2]
+    mask = (torch.arange(C, device=q.device)[None, :] < lens[:, None])[:, None, None, :]   # (B, 1, 1, C)
+    out = torch.nn.functional.scaled_dot_product_attention(q.reshape(B, HK, HQ // HK, D), k, v, attn_mask=mask)
+    return out.reshape(B, HQ, 1, D).transpose(1, 2)                                       # (B, 1, Hq, D)
+
+
+@pytest.mark.parametrize("B,HK,G,C,D", [(3, 2, 2, 64, 16), (2, 2, 4, 1200, 32), (4, 1, 8, 700, 16)])
+def test_decode_attention_matches_sdpa_fp32(B, HK, G, C, D):
+    """Ragged lengths (one split and several), the G query heads of a kv head in one tile."""
+    q, k, v, lens = ragged_arena(B, HK, G, C, D, torch.float32, seed=C)
+    assert fused_ops.decode_attention_applies(q, k)
+    torch.testing.assert_close(fused_ops.decode_attention(q, k, v, lens, D ** -0.5), sdpa_decode(q, k, v, lens),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_attention_bf16_graph_replay():
+    """A3B decode shape in bf16 against SDPA; captured once, replayed with new lengths and queries."""
+    q, k, v, lens = ragged_arena(32, 4, 8, 4096, 128, torch.bfloat16)
+    fused_ops.decode_attention(q, k, v, lens, 128 ** -0.5)                 # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_ops.decode_attention(q, k, v, lens, 128 ** -0.5)
+    for seed in (1, 2):
+        q2, _, _, lens2 = ragged_arena(32, 4, 8, 4096, 128, torch.bfloat16, seed=seed)
+        q.copy_(q2)
+        lens.copy_(lens2)
+        graph.replay()
+        torch.testing.assert_close(out.float(), sdpa_decode(q, k, v, lens).float(), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.gpu

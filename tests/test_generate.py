@@ -191,6 +191,20 @@ def test_cuda_graph_decode_matches_eager():
     assert_same(graph, eager, tol=1e-3)
 
 
+def test_triton_decode_attention_matches_plain(model, monkeypatch):
+    """Engine(attention="triton"): decode attention through fused_ops' kernel (the Triton interpreter on CPU),
+    greedy turns equal the plain reference in fp32."""
+    import fused_ops
+    if fused_ops.triton is None or not (fused_ops.INTERPRET or torch.cuda.is_available()):
+        pytest.skip("needs triton (CUDA, or TRITON_INTERPRET=1 on CPU)")
+    calls, real = [], fused_ops.decode_attention
+    monkeypatch.setattr(fused_ops, "decode_attention", lambda *a: calls.append(1) or real(*a))
+    script = make_script(4, 3, seed=5)
+    outs, eng = run_engine(model, script, max_batch=3, temperature=0.0, attention="triton")
+    assert eng.attn_name.endswith("_triton") and len(calls) >= model.config.num_hidden_layers
+    assert_same(outs, run_plain(model, script))
+
+
 def test_fused_ops_match_the_model_and_are_restored(model, monkeypatch):
     """Engine(fused=True): RMSNorms as F.rms_norm (the same values as the module's forward: fp32 rounding; bf16
     within a bf16 ulp), rotary embeddings and routers through fused_ops' kernels (the Triton interpreter on
