@@ -11,7 +11,7 @@ chains made up most of them, per layer:
     the top-k renormalised to sum 1, a cast: five or six kernels. `_router_kernel`: one (the GEMM stays cuBLAS).
 And, opt-in (`Engine(attention="triton")`), `decode_attention`: one decode step's attention over the engine's
 ragged KV arena, split-K flash decoding that reads each row's keys only up to its length, where torch's SDPA
-with a boolean mask reads every arena column and the mask (~47 % of the KV-read bound at ~3,800 tokens of
+with a boolean mask reads every arena column and the mask (~40 % of the KV-read bound at ~3,500 tokens of
 context). Tested against SDPA (fp32 on the interpreter; bf16 and graph replay on a GPU); not yet timed.
 
 The rotary and router kernels compute in fp32 and round once at the end, where HF rounds after each bf16 op:
