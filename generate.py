@@ -34,88 +34,13 @@ from typing import Hashable, Protocol
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
-from transformers.cache_utils import Cache, StaticLayer
+from transformers.cache_utils import Cache
 
 import fused_ops
 import moe_kernel
 from kv_host import KV_HOST_BLOCK, HostKV, HostPool, offload, reload
+from ragged_attention import ATTN_NAME, RaggedLayer, end_forward
 from sampling import cache_kwarg, episode_generator, sample_rows
-
-ATTN_NAME = "cuda_agent_ragged"
-
-
-# --------------------------------------------------------------------------------------------------
-# the ragged batched cache
-# --------------------------------------------------------------------------------------------------
-
-
-def _per_forward(mask: torch.Tensor, name: str, make):
-    """A tensor derived from this forward's mask: made by the first layer that asks, shared by the others."""
-    if _PER_FORWARD.get("mask") is not mask:
-        _PER_FORWARD.clear()
-        _PER_FORWARD["mask"] = mask
-    if name not in _PER_FORWARD:
-        _PER_FORWARD[name] = make()
-    return _PER_FORWARD[name]
-
-
-_PER_FORWARD: dict = {}   # the forward's mask and what _per_forward made from it; cleared after each forward
-
-
-def _ragged_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, decode=None, **kwargs):
-    """query (B, Hq, q, D); key/value (B, Hkv, C, D) arena views; attention_mask (B, 1, q, C) bool (True = attend).
-
-    Returns (B, q, Hq, D) like transformers' sdpa_attention_forward. decode: fused_ops.decode_attention for
-    q = 1 (registered as ATTN_NAME + "_triton"), reading each row's keys only up to its length.
-    """
-    B, Hq, q, D = query.shape
-    Hkv = key.shape[1]
-    G = Hq // Hkv
-    if q == 1 and decode is not None and fused_ops.decode_attention_applies(query, key):
-        lens = _per_forward(attention_mask, "lens", lambda: attention_mask[:, 0, 0].sum(-1))        # (B,)
-        return decode(query, key, value, lens, D ** -0.5 if scaling is None else scaling), None
-    if q == 1:   # decode: the G heads sharing kv head h become G "queries" of h -> no K/V copy
-        out = F.scaled_dot_product_attention(query.reshape(B, Hkv, G, D), key, value,
-                                             attn_mask=attention_mask, scale=scaling)   # (B, Hkv, G, D)
-        out = out.reshape(B, Hq, 1, D)
-    elif G > 1 and G * q <= 2 * Hq * D * key.element_size():
-        # prefill, grouped the same way: G * q queries per kv head, the mask repeated G times along the queries
-        # (built once per forward, shared by the layers) instead of K/V repeated G times in every layer. The mask
-        # is G*q*C bytes a row, the K/V copy 2*Hq*C*D*elem: at the A3B shape with 385-token feeds over 1,600
-        # columns the copy was 42 of 422 ms of a 32-row prefill (docs/RESULTS.md §3).
-        mask = _per_forward(attention_mask, "grouped", lambda: attention_mask.repeat(1, 1, G, 1))  # (B, 1, G*q, C)
-        out = F.scaled_dot_product_attention(query.reshape(B, Hkv, G * q, D), key, value,
-                                             attn_mask=mask, scale=scaling)              # (B, Hkv, G*q, D)
-        out = out.reshape(B, Hq, q, D)
-    else:        # long prefill feeds: copying K/V G times costs less than a G-times mask
-        out = F.scaled_dot_product_attention(query, key.repeat_interleave(G, dim=1), value.repeat_interleave(G, dim=1),
-                                             attn_mask=attention_mask, scale=scaling)   # (B, Hq, q, D)
-    return out.transpose(1, 2).contiguous(), None
-
-
-def _ragged_attention_triton(*args, **kwargs):
-    return _ragged_attention(*args, decode=fused_ops.decode_attention, **kwargs)
-
-
-AttentionInterface.register(ATTN_NAME, _ragged_attention)
-AttentionInterface.register(ATTN_NAME + "_triton", _ragged_attention_triton)
-
-
-class _RaggedLayer(StaticLayer):
-    """A StaticLayer over arena views where row b writes its q new tokens at its own columns cols[b]."""
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor):
-        super().__init__(max_cache_len=keys.shape[2])
-        self.keys, self.values = keys, values          # (B, Hkv, C, D) views of the arena
-        self.rows, self.cols = rows, cols              # (B, 1), (B, q)
-        self.is_initialized, self.device, self.dtype = True, keys.device, keys.dtype
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        self.keys[self.rows, :, self.cols] = key_states.transpose(1, 2)       # (B, q, Hkv, D)
-        self.values[self.rows, :, self.cols] = value_states.transpose(1, 2)
-        return self.keys, self.values
-
 
 @dataclass
 class _Episode:
@@ -144,15 +69,16 @@ class _Row:
 # pending sampled token) across a tool call that takes minutes, per-request torch.Generators are not part
 # of its API, and the module changes between 5.17 (GPU image) and 5.24 (CI). So this is a manual decode loop
 # over the model's own forward, using the library where it fits:
-# * the batched cache is a `transformers.Cache` of `StaticLayer`s (`_RaggedLayer`) whose buffers are views of
-#   one preallocated arena `(layers, 2, max_batch, kv_heads, C, head_dim)`; row b holds its episode's tokens
-#   at columns [0, len_b) with no padding holes, so column == RoPE position and a row writes each new token
-#   at its own column (StaticLayer.update uses one shared write position; ours writes per row);
+# * the batched cache is a `transformers.Cache` of `StaticLayer`s (ragged_attention.RaggedLayer) whose
+#   buffers are views of one preallocated arena `(layers, 2, max_batch, kv_heads, C, head_dim)`; row b holds
+#   its episode's tokens at columns [0, len_b) with no padding holes, so column == RoPE position and a row
+#   writes each new token at its own column (StaticLayer.update uses one shared write position; ours per row);
 # * the 4D mask `(B, 1, q, C)` is built here (`col <= len_b + i`) and passed straight through
 #   `create_causal_mask` (its documented 4D early exit);
-# * attention is registered through `AttentionInterface` for the engine's calls only: decode and prefill fold
-#   the query heads that share a kv head into the query axis, so grouped-query attention reads K/V once
-#   instead of `repeat_kv`-copying them (8x for Qwen3-30B-A3B) as transformers' sdpa path does with a mask;
+# * attention (ragged_attention.py) is registered through `AttentionInterface` for the engine's calls only:
+#   decode and prefill fold the query heads that share a kv head into the query axis, so grouped-query
+#   attention reads K/V once instead of `repeat_kv`-copying them (8x for Qwen3-30B-A3B) as transformers' sdpa
+#   path does with a mask;
 # * the MoE experts run with whatever `experts_implementation` the model has (transformers' default is
 #   `grouped_mm` where it can dispatch; `Engine(experts=...)` sets another one for the engine's calls);
 #   `experts="fused"` registers moe_kernel.py's Triton kernels (decode at the weight-bandwidth bound);
@@ -658,14 +584,14 @@ class Engine:
         pos = start[:, None] + self._cols[:q]                                            # (B, q) = columns
         mask = (self._cols <= pos[:, :, None])[:, None]                                  # (B, 1, q, C) causal per row
         rows = torch.arange(B, device=self.device)[:, None]                              # (B, 1)
-        cache = Cache(layers=[_RaggedLayer(self.arena[l, 0, a:b], self.arena[l, 1, a:b], rows, pos)
+        cache = Cache(layers=[RaggedLayer(self.arena[l, 0, a:b], self.arena[l, 1, a:b], rows, pos)
                               for l in range(self.n_layers)])
         try:
             with self._engine_impl():
                 h = self.decoder(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
                                  **{self._cache_kw: cache}).last_hidden_state            # (B, q, hidden)
         finally:
-            _PER_FORWARD.clear()
+            end_forward()
         self.stats["forwards"] += 1
         return self.head(h[torch.arange(B, device=self.device), last]).float()          # (B, V)
 

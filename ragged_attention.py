@@ -1,0 +1,94 @@
+"""The rollout engine's attention over its ragged KV arena (generate.Engine): the cache layer that writes each
+row's new keys at its own columns, and the attention function registered with transformers for the engine's
+calls only.
+
+Row b of the arena holds its episode's tokens at columns [0, len_b) (column == RoPE position); the engine passes
+a boolean mask (B, 1, q, C), True where a query may attend. Grouped-query attention reads K/V once: decode and
+prefill fold the G query heads of a kv head into the query axis (transformers' sdpa path with a mask copies
+K/V G times, 8x at the Qwen3-30B-A3B shape). `ATTN_NAME + "_triton"` takes the decode step through
+fused_ops.decode_attention (each row's keys only up to its length).
+
+Tests: python -m pytest -q tests/test_generate.py tests/test_fused_ops.py
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.cache_utils import StaticLayer
+
+import fused_ops
+
+ATTN_NAME = "cuda_agent_ragged"
+
+
+def _per_forward(mask: torch.Tensor, name: str, make):
+    """A tensor derived from this forward's mask: made by the first layer that asks, shared by the others."""
+    if _PER_FORWARD.get("mask") is not mask:
+        _PER_FORWARD.clear()
+        _PER_FORWARD["mask"] = mask
+    if name not in _PER_FORWARD:
+        _PER_FORWARD[name] = make()
+    return _PER_FORWARD[name]
+
+
+_PER_FORWARD: dict = {}   # the forward's mask and what _per_forward made from it
+
+
+def end_forward() -> None:
+    """Drop what the last forward derived from its mask (the engine calls this after each forward)."""
+    _PER_FORWARD.clear()
+
+
+def _ragged_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, decode=None, **kwargs):
+    """query (B, Hq, q, D); key/value (B, Hkv, C, D) arena views; attention_mask (B, 1, q, C) bool (True = attend).
+
+    Returns (B, q, Hq, D) like transformers' sdpa_attention_forward. decode: fused_ops.decode_attention for
+    q = 1 (registered as ATTN_NAME + "_triton"), reading each row's keys only up to its length.
+    """
+    B, Hq, q, D = query.shape
+    Hkv = key.shape[1]
+    G = Hq // Hkv
+    if q == 1 and decode is not None and fused_ops.decode_attention_applies(query, key):
+        lens = _per_forward(attention_mask, "lens", lambda: attention_mask[:, 0, 0].sum(-1))        # (B,)
+        return decode(query, key, value, lens, D ** -0.5 if scaling is None else scaling), None
+    if q == 1:   # decode: the G heads sharing kv head h become G "queries" of h -> no K/V copy
+        out = F.scaled_dot_product_attention(query.reshape(B, Hkv, G, D), key, value,
+                                             attn_mask=attention_mask, scale=scaling)   # (B, Hkv, G, D)
+        out = out.reshape(B, Hq, 1, D)
+    elif G > 1 and G * q <= 2 * Hq * D * key.element_size():
+        # prefill, grouped the same way: G * q queries per kv head, the mask repeated G times along the queries
+        # (built once per forward, shared by the layers) instead of K/V repeated G times in every layer. The mask
+        # is G*q*C bytes a row, the K/V copy 2*Hq*C*D*elem: at the A3B shape with 385-token feeds over 1,600
+        # columns the copy was 42 of 422 ms of a 32-row prefill (docs/RESULTS.md §3).
+        mask = _per_forward(attention_mask, "grouped", lambda: attention_mask.repeat(1, 1, G, 1))  # (B, 1, G*q, C)
+        out = F.scaled_dot_product_attention(query.reshape(B, Hkv, G * q, D), key, value,
+                                             attn_mask=mask, scale=scaling)              # (B, Hkv, G*q, D)
+        out = out.reshape(B, Hq, q, D)
+    else:        # long prefill feeds: copying K/V G times costs less than a G-times mask
+        out = F.scaled_dot_product_attention(query, key.repeat_interleave(G, dim=1), value.repeat_interleave(G, dim=1),
+                                             attn_mask=attention_mask, scale=scaling)   # (B, Hq, q, D)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _ragged_attention_triton(*args, **kwargs):
+    return _ragged_attention(*args, decode=fused_ops.decode_attention, **kwargs)
+
+
+AttentionInterface.register(ATTN_NAME, _ragged_attention)
+AttentionInterface.register(ATTN_NAME + "_triton", _ragged_attention_triton)
+
+
+class RaggedLayer(StaticLayer):
+    """A StaticLayer over arena views where row b writes its q new tokens at its own columns cols[b]."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor):
+        super().__init__(max_cache_len=keys.shape[2])
+        self.keys, self.values = keys, values          # (B, Hkv, C, D) views of the arena
+        self.rows, self.cols = rows, cols              # (B, 1), (B, q)
+        self.is_initialized, self.device, self.dtype = True, keys.device, keys.dtype
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.keys[self.rows, :, self.cols] = key_states.transpose(1, 2)       # (B, q, Hkv, D)
+        self.values[self.rows, :, self.cols] = value_states.transpose(1, 2)
+        return self.keys, self.values
