@@ -39,6 +39,8 @@ from typing import NamedTuple
 
 import torch
 
+from moe_kernel import dot_precision
+
 try:
     import triton
     import triton.language as tl
@@ -230,7 +232,7 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         query, key, value, lens, part, split, query.stride(0), query.stride(1), key.stride(0), key.stride(1),
         key.stride(2), value.stride(0), value.stride(1), value.stride(2), scale, G=G,
         G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK_N=DECODE_BLOCK_N, NSPLIT=nsplit,
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32")
+        PRECISION=dot_precision(query.dtype))
     _decode_combine_kernel[(B, HK, G)](part, out, out.stride(0), G=G, D=D, NSPLIT=nsplit,
                                        S_PAD=triton.next_power_of_2(nsplit))
     return out
@@ -238,12 +240,11 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 def _router_forward(router, hidden_states: torch.Tensor):
     """Qwen3MoeTopKRouter.forward with the chain after the gate GEMM in one launch."""
-    hidden_states = hidden_states.reshape(-1, router.hidden_dim)
-    logits = torch.nn.functional.linear(hidden_states, router.weight)                   # (T, E)
     k = router.top_k
-    if not (_runs_here(logits, router.weight) and logits.stride(-1) == 1 and router.num_experts <= MAX_EXPERTS
+    if not (_runs_here(hidden_states, router.weight) and router.num_experts <= MAX_EXPERTS
             and k == triton.next_power_of_2(k)):
         return type(router).forward(router, hidden_states)
+    logits = torch.nn.functional.linear(hidden_states.reshape(-1, router.hidden_dim), router.weight)  # (T, E)
     w, ids = route(logits, k, router.norm_topk_prob)
     return logits, w, ids
 
@@ -281,9 +282,9 @@ def targets(model: torch.nn.Module) -> Targets:
                                                                                           torch.Tensor):
             norms.append(m)
         elif name.endswith("Attention") and hasattr(type(m), "forward"):
-            g = inspect.unwrap(type(m).forward).__globals__
-            if callable(g.get("apply_rotary_pos_emb")) and "apply_rotary_pos_emb" in \
-                    inspect.unwrap(type(m).forward).__code__.co_names:
+            fwd = inspect.unwrap(type(m).forward)
+            g = fwd.__globals__
+            if callable(g.get("apply_rotary_pos_emb")) and "apply_rotary_pos_emb" in fwd.__code__.co_names:
                 spaces[id(g)] = g
     return Targets(list(spaces.values()), routers, norms)
 
