@@ -108,7 +108,7 @@ if triton is not None:
     @triton.jit
     def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, lens_ptr, part_ptr, SPLIT, sq_b, sq_h, sk_b, sk_h, sk_c,
                             sv_b, sv_h, sv_c, scale, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-                            BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr, PRECISION: tl.constexpr):
+                            BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
         """Program (b, h, s): the G query heads of kv head h of row b against columns [s*SPLIT, (s+1)*SPLIT) of
         the row's first lens[b] columns, online softmax; writes (acc (G, D), max, sum) to part[b, h, s]."""
         b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -135,24 +135,24 @@ if triton is not None:
             l = l * alpha + tl.sum(p, axis=1)
             m = m_new
             start += BLOCK_N
-        base = part_ptr + ((b * tl.num_programs(1) + h) * NSPLIT + s) * G * (D + 2)
+        base = part_ptr + ((b * tl.num_programs(1) + h) * tl.num_programs(2) + s) * G * (D + 2)
         rows = g[:, None] < G
         tl.store(base + g[:, None] * (D + 2) + d[None, :], acc, mask=rows)
         tl.store(base + g * (D + 2) + D, m, mask=g < G)
         tl.store(base + g * (D + 2) + D + 1, l, mask=g < G)
 
     @triton.jit
-    def _decode_combine_kernel(part_ptr, out_ptr, so_b, G: tl.constexpr, D: tl.constexpr, NSPLIT: tl.constexpr,
+    def _decode_combine_kernel(part_ptr, out_ptr, so_b, nsplit, G: tl.constexpr, D: tl.constexpr,
                                S_PAD: tl.constexpr):
         """Program (b, h, g): the splits' partial softmaxes merged -> out[b, 0, h*G + g, :]."""
         b, h, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         sp, d = tl.arange(0, S_PAD), tl.arange(0, D)
-        base = part_ptr + (b * tl.num_programs(1) + h) * NSPLIT * G * (D + 2) + g * (D + 2)
+        base = part_ptr + (b * tl.num_programs(1) + h) * nsplit * G * (D + 2) + g * (D + 2)
         at = base + sp * G * (D + 2)
-        m = tl.load(at + D, mask=sp < NSPLIT, other=float("-inf"))
-        l = tl.load(at + D + 1, mask=sp < NSPLIT, other=0)
+        m = tl.load(at + D, mask=sp < nsplit, other=float("-inf"))
+        l = tl.load(at + D + 1, mask=sp < nsplit, other=0)
         w = tl.where(m > float("-inf"), tl.exp(m - tl.max(m, axis=0)), 0.0)               # empty splits: 0
-        acc = tl.load(at[:, None] + d[None, :], mask=(sp < NSPLIT)[:, None], other=0)   # (S_PAD, D)
+        acc = tl.load(at[:, None] + d[None, :], mask=(sp < nsplit)[:, None], other=0)   # (S_PAD, D)
         o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
         tl.store(out_ptr + b * so_b + (h * G + g) * D + d, o.to(out_ptr.dtype.element_ty))
 
@@ -199,6 +199,8 @@ def route(logits: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, t
 
 DECODE_BLOCK_N = 64        # key columns per inner step of the decode attention
 DECODE_SPLIT_MIN = 512     # columns per program at least; more columns -> more programs per (row, kv head)
+DECODE_SPLIT_MAX = 16      # programs per (row, kv head) at most; the split count is a runtime argument (the
+                           # kernels compile once, not once per arena width)
 
 
 def decode_attention_applies(query: torch.Tensor, key: torch.Tensor) -> bool:
@@ -220,21 +222,20 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     -> (B, 1, Hq, D). Split-K flash decoding: each program reads one (row, kv head, column range) and the G
     query heads that share the kv head ride along in one tile, so K/V are read once per row and only up to
     the row's length (SDPA with a boolean mask reads all C columns and the mask). The number of splits depends
-    on C only, so the launch replays in a CUDA graph while lengths change."""
+    on C only, so the launch replays in a CUDA graph while lengths change; it is a runtime argument, so a wider
+    arena does not compile the kernels again."""
     B, HQ, _, D = query.shape
     HK, C = key.shape[1], key.shape[2]
     G = HQ // HK
-    nsplit = max(1, min(16, C // DECODE_SPLIT_MIN))
+    nsplit = max(1, min(DECODE_SPLIT_MAX, C // DECODE_SPLIT_MIN))
     split = triton.cdiv(triton.cdiv(C, nsplit), DECODE_BLOCK_N) * DECODE_BLOCK_N
     part = torch.empty(B, HK, nsplit, G, D + 2, dtype=torch.float32, device=query.device)
     out = torch.empty(B, 1, HQ, D, dtype=query.dtype, device=query.device)
     _decode_attn_kernel[(B, HK, nsplit)](
         query, key, value, lens, part, split, query.stride(0), query.stride(1), key.stride(0), key.stride(1),
         key.stride(2), value.stride(0), value.stride(1), value.stride(2), scale, G=G,
-        G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK_N=DECODE_BLOCK_N, NSPLIT=nsplit,
-        PRECISION=dot_precision(query.dtype))
-    _decode_combine_kernel[(B, HK, G)](part, out, out.stride(0), G=G, D=D, NSPLIT=nsplit,
-                                       S_PAD=triton.next_power_of_2(nsplit))
+        G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK_N=DECODE_BLOCK_N, PRECISION=dot_precision(query.dtype))
+    _decode_combine_kernel[(B, HK, G)](part, out, out.stride(0), nsplit, G=G, D=D, S_PAD=DECODE_SPLIT_MAX)
     return out
 
 

@@ -7,7 +7,9 @@ and a batch waits for its longest row. `Engine` removes both costs:
     with what the episode has cached (rewinding if the template re-rendered a token), then samples; every
     token of a conversation enters the model once (`Engine.fed`). policy.HFPolicy calls it once per turn.
   * Continuous batching: up to `max_batch` rows decode together with ragged cache lengths; finished rows
-    leave, waiting requests join mid-turn.
+    leave, waiting requests join mid-turn. With `step(..., follow=fn)` an episode's next turn joins as soon
+    as its row finishes (turns overlap across episodes; opt-in: at the A3B shape each small admission costs
+    an eager prefill forward, and one `step` per turn measured faster, docs/RESULTS.md §3).
   * Each episode has its own CPU torch.Generator and one uniform draw per token, so samples do not depend on
     the batch; returned log-probs are log_softmax(logits) at temperature 1, unfiltered.
   * `kv_budget_gib` bounds the KV memory on the device: fewer arena rows, idle caches offloaded to pinned host
@@ -30,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Hashable, Protocol
+from typing import Callable, Hashable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +50,17 @@ class _Episode:
     n_cached: int                      # ids[:n_cached] have keys/values in kv
     kv: torch.Tensor | HostKV | None  # (layers, 2, Hkv, n_cached, D) on the device, offloaded to host, or None
     gen: torch.Generator
+
+
+Result = tuple[Hashable, list[int], list[float], str]       # (episode_id, sampled ids, log-probs, finish reason)
+Follow = Callable[[Result], "list[int] | tuple[list[int], int] | None"]   # Engine.step's follow: the next turn
+
+
+def _turn(nxt) -> tuple[list[int], int | None]:
+    """follow's answer as (new_ids, max_new_tokens or None)."""
+    if isinstance(nxt, tuple):
+        return list(nxt[0]), (nxt[1] if len(nxt) > 1 else None)
+    return list(nxt), None
 
 
 @dataclass
@@ -126,7 +139,7 @@ class Engine:
                  stop_ids: set[int] | None = None, max_context: int | None = None,
                  compact_min: int | None = None, admit_min: int | None = None,
                  prefill_tokens: int = 16384, experts: str | None = None, fused: bool | None = None,
-                 attention: str = "sdpa", cuda_graphs: bool = False,
+                 attention: str | None = None, cuda_graphs: bool = False,
                  static_batch: bool = False, kv_budget_gib: float | None = None, kv_evict: str = "offload",
                  kv_host_block: int = KV_HOST_BLOCK):
         self.model = model
@@ -158,8 +171,11 @@ class Engine:
         # embeddings and MoE routers (fused_ops.py); the modules are found once and patched around each call.
         self.fused = self.device.type == "cuda" if fused is None else fused
         self._fused_targets = fused_ops.targets(model)
-        # decode attention: "sdpa" (torch, a boolean mask over all arena columns) or "triton" (fused_ops: each
-        # row's keys only up to its length; prefill stays sdpa)
+        # decode attention (None: "triton" on CUDA where triton imports, else "sdpa"): "sdpa" (torch, a mask over
+        # all arena columns) or "triton" (fused_ops: each row's keys only up to its length; the A3B decode step
+        # 17.8 -> 16.9 ms, the 0.7B one 2.4 -> 1.9 ms on an H200, docs/RESULTS.md §3). Prefill is sdpa either way.
+        if attention is None:
+            attention = "triton" if self.device.type == "cuda" and fused_ops.triton is not None else "sdpa"
         assert attention in ("sdpa", "triton"), f"attention={attention!r}: sdpa | triton"
         if attention == "triton" and fused_ops.triton is None:
             raise RuntimeError(f"attention='triton' needs triton, not importable here: {fused_ops.TRITON_ERROR}")
@@ -169,6 +185,9 @@ class Engine:
         self.graph_error: str | None = None       # why CUDA-graph decode was switched off, if it was
         self._graph = None
         self.arena: torch.Tensor | None = None      # (layers, 2, B, Hkv, C, D) while a `step` runs
+        self._follow: Follow | None = None          # step's follow while it runs
+        self._queue: list = []                      # (episode, budget) waiting for a row in the running `_run`
+        self._later: list = []                      # follow-ups for the next `_run` of this step (arena too small)
         self._cache_kw = cache_kwarg(self.decoder)
         self.episodes: dict[Hashable, _Episode] = {}
         self.fed: dict[Hashable, int] = {}        # tokens of each episode that entered the model (real, no pads)
@@ -188,7 +207,7 @@ class Engine:
                           forwards=0, admissions=0, compactions=0, rewinds=0, kv_offloaded_tokens=0,
                           kv_reloaded_tokens=0, kv_dropped_tokens=0, kv_offload_s=0.0, kv_peak_resident_gib=0.0,
                           kv_host_gib=0.0, kv_host_alloc_s=0.0, arena_rows_max=0, admit_s=0.0,
-                          graph_capture_s=0.0)
+                          graph_capture_s=0.0, arena_grows=0)
 
     # ---- public API --------------------------------------------------------------------------------
 
@@ -237,27 +256,50 @@ class Engine:
         return self.step(news)
 
     @torch.no_grad()
-    def step(self, requests: list[tuple]) -> list[tuple[Hashable, list[int], list[float], str]]:
+    def step(self, requests: list[tuple], follow: Follow | None = None) -> list[tuple[Hashable, list[int], list[float], str]]:
         """requests: [(episode_id, new_ids) or (episode_id, new_ids, max_new_tokens)], one per episode.
 
         new_ids are the tokens appended since the episode's last call (the whole prompt on the first).
         Returns [(episode_id, sampled_ids, sampled_logprobs, finish_reason)] in request order;
         finish_reason is "stop" (a stop id was sampled, and is included), "length" (budget) or "context".
+
+        follow: called with each result as soon as its row finishes; it returns the episode's next turn
+        (new_ids or (new_ids, max_new_tokens)), which joins the batch in this same call, or None (the episode
+        leaves). Turns then overlap across episodes: a row that finishes early takes its episode's next turn
+        instead of idling until the longest row of the batch is done. `step` returns each episode's last result.
         """
         assert len({r[0] for r in requests}) == len(requests), "one request per episode per step"
         results, queue = {}, []
         for eid, new, *rest in requests:
             ep = self.episodes.setdefault(eid, _Episode([], 0, None, episode_generator(self.seed, eid)))
+            self._enqueue(eid, new, rest[0] if rest else None, results, queue, follow)
+        self._follow = follow
+        try:
+            while queue:                       # a follow-up turn that does not fit the arena waits for the next run
+                self._later = []
+                self._run(queue, results)
+                queue = self._later
+        finally:
+            self._follow, self._later = None, []
+        return [results[r[0]] for r in requests]
+
+    def _enqueue(self, eid: Hashable, new: list[int], budget: int | None, results: dict, queue: list,
+                 follow: Follow | None) -> None:
+        """Append a turn's new ids to the episode and queue (episode, budget); a turn with no context left is a
+        "context" result at once (and, with follow, asks for the next one)."""
+        while True:
+            ep = self.episodes[eid]
             ep.ids.extend(int(t) for t in new)
             assert len(ep.ids) > ep.n_cached, f"episode {eid!r}: nothing to feed (pass the new observation ids)"
-            budget = min(rest[0] if rest else self.max_new_tokens, self.max_context - len(ep.ids))
-            if budget <= 0:
-                results[eid] = (eid, [], [], "context")
-            else:
+            budget = min(self.max_new_tokens if budget is None else budget, self.max_context - len(ep.ids))
+            if budget > 0:
                 queue.append((eid, budget))
-        if queue:
-            self._run(queue, results)
-        return [results[r[0]] for r in requests]
+                return
+            results[eid] = (eid, [], [], "context")
+            nxt = follow(results[eid]) if follow is not None else None
+            if nxt is None:
+                return
+            new, budget = _turn(nxt)
 
     # ---- scheduling ---------------------------------------------------------------------------------
 
@@ -285,6 +327,8 @@ class Engine:
         self.rows: list[_Row] = []
         self._n_alive = 0
         T = max(b for _, b in queue)
+        if self._follow is not None:     # follow-up turns may take the engine's whole budget
+            T = max(T, self.max_new_tokens)
         dev = self.device
         self._st = torch.zeros(6, B, dtype=torch.long, device=dev)       # the decode state, see above `Engine`
         self._st[TOK] = self.pad_id
@@ -295,17 +339,20 @@ class Engine:
         self._cols = torch.arange(cap, device=dev)                        # (C,) for the masks
         self._last0 = torch.zeros(B, dtype=torch.long, device=dev)       # (B,) decode: logits at j = 0
         self._in_run = {e for e, _ in queue}
-        # similar feed lengths prefill together (less padding)
-        queue = sorted(queue, key=lambda q: len(eps[q[0]].ids) - eps[q[0]].n_cached)
+        # similar feed lengths prefill together (less padding); follow-up turns are appended as rows finish
+        self._queue = sorted(queue, key=lambda q: len(eps[q[0]].ids) - eps[q[0]].n_cached)
         try:
-            while queue or self._n_alive:
-                free = B - self._n_alive
-                admit = bool(queue) and (free >= min(admit_min, len(queue)) or self._n_alive == 0)
+            while self._queue or self._n_alive:
+                # admit when a group of admit_min fits, when nothing decodes, or when the whole queue fits (with
+                # follow only once it outnumbers the decoding rows: more follow-ups are on their way)
+                k = min(len(self._queue), B - self._n_alive)
+                admit = k > 0 and (self._n_alive == 0 or k >= admit_min or (
+                    k == len(self._queue) and (self._follow is None or k >= self._n_alive)))
                 n_dead = len(self.rows) - self._n_alive
                 if n_dead and (admit or n_dead >= self.compact_min or self._n_alive == 0):
                     self._compact()
                 if admit:
-                    group, queue = queue[:free], queue[free:]
+                    group, self._queue = self._queue[:k], self._queue[k:]
                     self._admit(group, results)
                 if self._n_alive:
                     self._decode(results)
@@ -317,7 +364,7 @@ class Engine:
             raise
         finally:
             self._graph = None                   # it points into the arena and the state: drop it first
-            self.arena, self.rows, self._in_run = None, [], set()
+            self.arena, self.rows, self._in_run, self._queue = None, [], set(), []
             self._st = self._out = self._lps = self._u = self._cols = self._last0 = None
 
     def _compact(self) -> None:
@@ -483,6 +530,31 @@ class Engine:
             results[r.eid] = (r.eid, toks, lp, "stop" if toks[-1] in self.stop_ids else "length")
             r.alive = False
             self._n_alive -= 1
+            nxt = self._follow(results[r.eid]) if self._follow is not None else None
+            if nxt is not None:
+                self._follow_up(r.eid, nxt, results)
+
+    def _follow_up(self, eid: Hashable, nxt, results: dict) -> None:
+        """Queue the episode's next turn in this run (the arena grows if needed; with a KV budget, or a budget over
+        the run's output columns, the turn waits for the next run)."""
+        queue = []
+        self._enqueue(eid, *_turn(nxt), results, queue, self._follow)
+        for eid, budget in queue:
+            need = len(self.episodes[eid].ids) + budget
+            if need > self.arena.shape[4] and self.kv_budget is None:
+                self._grow(need)
+            fits = need <= self.arena.shape[4] and budget < self._out.shape[1]
+            (self._queue if fits else self._later).append((eid, budget))
+
+    def _grow(self, need: int) -> None:
+        """A wider arena (1.5x, or `need` columns) with the rows copied over; the decode graph is captured again."""
+        C = self.arena.shape[4]
+        C2 = -(-max(need, C + C // 2) // 64) * 64
+        arena = self.arena.new_zeros(*self.arena.shape[:4], C2, self.arena.shape[5])   # (layers, 2, B, Hkv, C2, D)
+        arena[:, :, :, :, :C] = self.arena
+        self.arena, self._cols, self._graph = arena, torch.arange(C2, device=self.device), None
+        self.stats["arena_grows"] += 1
+        self._kv_resident()
 
     def _h2d(self, data) -> torch.Tensor:
         """Host ints (nested lists) as an int64 tensor on the device, copied without waiting for the stream."""
@@ -613,7 +685,7 @@ class RolloutBackend(Protocol):
     recomputed by the training-side model (paper §3.3, precision mismatch).
     """
 
-    def step(self, requests: list[tuple]) -> list[tuple[Hashable, list[int], list[float], str]]: ...
+    def step(self, requests: list[tuple], follow=None) -> list[tuple[Hashable, list[int], list[float], str]]: ...
 
     def step_full(self, requests: list[tuple]) -> list[tuple[Hashable, list[int], list[float], str]]: ...
 

@@ -256,10 +256,12 @@ def grouped_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_
     I = gu.shape[1] // 2
     h = torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]                               # (S, I)
     y = torch._grouped_mm(h, down if transposed else down.transpose(1, 2), offs=offs)  # (S, H)
-    y *= top_k_weights.reshape(-1)[perm, None].to(y.dtype)
-    out = torch.empty_like(y)
-    out[perm] = y                                                                     # back to pair order
-    return out.view(T, K, H).sum(1)                                                   # (T, H), no atomics
+    # back to pair order by a gather (a scatter `out[perm] = y` took 59 of 343 ms of a 12k-token A3B prefill),
+    # then each token's K rows weighted and summed in one batched GEMM (T, 1, K) @ (T, K, H): no atomics
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)                        # (S,) pair -> sorted row
+    w = top_k_weights.reshape(T, 1, K).to(y.dtype)                                    # (T, 1, K)
+    return torch.bmm(w, y.index_select(0, inv).view(T, K, H)).view(T, H)              # (T, H)
 
 
 def why_not_fused(experts: torch.nn.Module, hidden_states: torch.Tensor, any_size: bool = False) -> str | None:

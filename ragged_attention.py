@@ -52,23 +52,33 @@ def _ragged_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     if q == 1 and decode is not None and fused_ops.decode_attention_applies(query, key):
         lens = _per_forward(attention_mask, "lens", lambda: attention_mask[:, 0, 0].sum(-1))        # (B,)
         return decode(query, key, value, lens, D ** -0.5 if scaling is None else scaling), None
+    # SDPA turns a boolean mask into an additive one in every call (two `where`s a layer: 33 of 343 ms of a
+    # 12k-token A3B prefill); the additive masks are made once per forward and shared by the layers
     if q == 1:   # decode: the G heads sharing kv head h become G "queries" of h -> no K/V copy
+        mask = _per_forward(attention_mask, "additive", lambda: _additive(attention_mask, query.dtype))
         out = F.scaled_dot_product_attention(query.reshape(B, Hkv, G, D), key, value,
-                                             attn_mask=attention_mask, scale=scaling)   # (B, Hkv, G, D)
+                                             attn_mask=mask, scale=scaling)             # (B, Hkv, G, D)
         out = out.reshape(B, Hq, 1, D)
-    elif G > 1 and G * q <= 2 * Hq * D * key.element_size():
+    elif G > 1 and G * q <= 2 * Hq * D:
         # prefill, grouped the same way: G * q queries per kv head, the mask repeated G times along the queries
         # (built once per forward, shared by the layers) instead of K/V repeated G times in every layer. The mask
-        # is G*q*C bytes a row, the K/V copy 2*Hq*C*D*elem: at the A3B shape with 385-token feeds over 1,600
+        # is G*q*C*elem bytes a row, the K/V copy 2*Hq*C*D*elem: at the A3B shape with 385-token feeds over 1,600
         # columns the copy was 42 of 422 ms of a 32-row prefill (docs/RESULTS.md §3).
-        mask = _per_forward(attention_mask, "grouped", lambda: attention_mask.repeat(1, 1, G, 1))  # (B, 1, G*q, C)
+        mask = _per_forward(attention_mask, "grouped",
+                            lambda: _additive(attention_mask, query.dtype).repeat(1, 1, G, 1))   # (B, 1, G*q, C)
         out = F.scaled_dot_product_attention(query.reshape(B, Hkv, G * q, D), key, value,
                                              attn_mask=mask, scale=scaling)              # (B, Hkv, G*q, D)
         out = out.reshape(B, Hq, q, D)
     else:        # long prefill feeds: copying K/V G times costs less than a G-times mask
+        mask = _per_forward(attention_mask, "additive", lambda: _additive(attention_mask, query.dtype))
         out = F.scaled_dot_product_attention(query, key.repeat_interleave(G, dim=1), value.repeat_interleave(G, dim=1),
-                                             attn_mask=attention_mask, scale=scaling)   # (B, Hq, q, D)
+                                             attn_mask=mask, scale=scaling)             # (B, Hq, q, D)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True = attend) as SDPA's additive one: 0 where True, -inf where False."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
 def _ragged_attention_triton(*args, **kwargs):

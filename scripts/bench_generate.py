@@ -89,11 +89,14 @@ class BenchConfig:
     fused: bool = True
     """engine RMSNorms as F.rms_norm, rotary embeddings and MoE routers as fused_ops' kernels, one launch each, on
     CUDA (Engine's default); --no-fused: the model's own forwards"""
-    attention: str = "sdpa"
-    """engine decode attention: sdpa (boolean mask over the arena's columns) | triton (fused_ops: each row's
-    keys up to its length)"""
+    attention: str = "auto"
+    """engine decode attention: auto (Engine's default: triton on CUDA) | sdpa (a mask over the arena's columns) |
+    triton (fused_ops: each row's keys up to its length)"""
     cuda_graphs: bool = True
     """engine decode through CUDA graphs (falls back to eager, and says why, if capture fails)"""
+    overlap: bool = False
+    """engine: one `step` per turn (as policy.HFPolicy drives it; the turn waits for its longest row); --overlap:
+    one `step(follow=)` call for all turns, each episode's next turn joining as soon as its row finishes"""
     static_batch: bool = False
     """engine decodes all arena rows every step, as with CUDA graphs (which imply it); for CPU runs"""
     kv_budget_gib: float | None = None
@@ -346,41 +349,11 @@ def count_syncs(eng: Engine, reqs: list, device: str) -> dict:
     return out
 
 
-def main(cfg: BenchConfig) -> int:
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
-    dtype = (getattr(torch, cfg.dtype) if cfg.dtype != "auto"
-             else torch.bfloat16 if device == "cuda" else torch.float32)
-    t0 = time.time()
-    model, n_params = build_model(cfg, device, dtype)
-    V = model.config.vocab_size
-    rng = random.Random(cfg.seed)
-    stop_ids = {1} | {t for t in range(2, V) if rng.random() < cfg.stop_frac}
-    print(f"model {cfg.preset}: {n_params / 1e9:.2f}B params, {dtype}, {device}, built in {time.time() - t0:.0f}s "
-          f"(experts={model.get_experts_implementation()}, attn={model.config._attn_implementation})", flush=True)
-    toks = lambda n: [rng.randrange(2, V) for _ in range(n)]
-    obs = [[toks(cfg.prompt_tokens)] + [toks(rng.randint(cfg.obs_min_tokens or cfg.obs_tokens // 2, cfg.obs_tokens))
-                                        for _ in range(cfg.turns - 1)] for _ in range(cfg.episodes)]
-    budgets = [[rng.randint(max(1, cfg.new_tokens // 2), cfg.new_tokens) for _ in range(cfg.turns)]
-               for _ in range(cfg.episodes)]
-    eng = Engine(model, None, max_batch=cfg.max_batch or cfg.episodes, max_new_tokens=cfg.new_tokens,
-                 temperature=cfg.temperature, seed=cfg.seed, stop_ids=stop_ids, experts=cfg.experts,
-                 fused=None if cfg.fused else False, attention=cfg.attention,
-                 cuda_graphs=cfg.cuda_graphs, static_batch=cfg.static_batch, kv_budget_gib=cfg.kv_budget_gib,
-                 kv_evict=cfg.kv_evict)
-
-    cp = CriticalPath()
-    if cfg.stub_forward:
-        stub_forward(eng, device, cfg.seed, cp)
-        cfg = dataclasses.replace(cfg, plain_turns=0)
-    # warm-up (CUDA context, kernels, allocator) for both paths, then forget the warm-up episode
-    eng.step([("warmup", toks(16), 4)])
-    eng.release("warmup")
-    if cfg.plain_turns:
-        plain_turn_batch(model, [toks(16)], [4], stop_ids, cfg, device)
-    eng.stats = {k: 0 for k in eng.stats}
-
+def lockstep_turns(cfg, eng, model, obs, budgets, stop_ids, device, cp):
+    """One engine `step` per turn over all episodes (the turn waits for its longest row); on turns < plain_turns
+    the plain loop runs first on the same conversations. Returns (rows, [identical, compared, max |dlp|])."""
     convs = [[] for _ in range(cfg.episodes)]
-    rows, same, total_cmp, max_dlp = [], 0, 0, 0.0
+    rows, cmp = [], [0, 0, 0.0]
     for t in range(cfg.turns):
         for e in range(cfg.episodes):
             convs[e] += obs[e][t]
@@ -409,19 +382,129 @@ def main(cfg: BenchConfig) -> int:
         if cfg.kv_budget_gib is not None:
             row["kv_copy_s"] = eng.stats["kv_offload_s"] - copy_s
         if t < cfg.plain_turns and cfg.temperature <= 0:      # token identity under greedy decoding
-            for (_, ids, lps, _), (pids, plps) in zip(outs, plain):
-                total_cmp += 1
-                same += ids == pids
-                k = next((i for i, (x, y) in enumerate(zip(ids, pids)) if x != y), min(len(ids), len(pids)))
-                k = min(k + 1, len(ids), len(pids))           # the first differing token's lp is still comparable
-                max_dlp = max([max_dlp] + [abs(x - y) for x, y in zip(lps[:k], plps[:k])])
-            row["identical_rows"] = sum(o[1] == p[0] for o, p in zip(outs, plain))
+            row["identical_rows"] = compare([(o[1], o[2]) for o in outs], plain, cmp)
         for e, (_, ids, _, _) in enumerate(outs):
             convs[e] += ids
+        row["outs"] = [o[1] for o in outs]
         rows.append(row)
-        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items() if k != "outs"}),
+              flush=True)
+    return rows, cmp
+
+
+def compare(outs: list, plain: list, cmp: list) -> int:
+    """Greedy token identity of one turn, engine (ids, lps) rows against plain ones; accumulates cmp = [identical
+    turns, compared turns, max |delta log-prob| over the shared prefix]; returns the turn's identical rows."""
+    for (ids, lps), (pids, plps) in zip(outs, plain):
+        cmp[0] += ids == pids
+        cmp[1] += 1
+        k = next((i for i, (x, y) in enumerate(zip(ids, pids)) if x != y), min(len(ids), len(pids)))
+        k = min(k + 1, len(ids), len(pids))                   # the first differing token's lp is still comparable
+        cmp[2] = max([cmp[2]] + [abs(x - y) for x, y in zip(lps[:k], plps[:k])])
+    return sum(o[0] == p[0] for o, p in zip(outs, plain))
+
+
+def overlapped_turns(cfg, eng, model, obs, budgets, stop_ids, device):
+    """All turns in one engine `step(follow=)`: an episode's next observation joins the batch as soon as its turn
+    ends. Then the plain loop replays turns < plain_turns on the conversations the engine produced. Returns
+    (rows, cmp as lockstep_turns, window): window = seconds until every episode had finished turn plain_turns - 1
+    and the tokens sampled by then (later turns' included): the engine's rate over the turns the plain loop ran."""
+    E, k = cfg.episodes, min(cfg.plain_turns, cfg.turns)
+    outs = [[] for _ in range(E)]
+    done_at, sampled, left = [0.0] * cfg.turns, [0], [E] * cfg.turns
+    window = dict(s=0.0, tokens=0)
+
+    def follow(res):
+        e, ids, lps, _ = res
+        outs[e].append((ids, lps))
+        t, sampled[0] = len(outs[e]) - 1, sampled[0] + len(ids)
+        left[t] -= 1
+        if left[t] == 0:                               # every episode has finished turn t
+            done_at[t] = time.perf_counter() - a
+            if t == k - 1:
+                window.update(s=done_at[t], tokens=sampled[0])
+        return (obs[e][t + 1], budgets[e][t + 1]) if t + 1 < cfg.turns else None
+
+    stats0 = dict(eng.stats)
+    sync(device)
+    a, cpu = time.perf_counter(), time.process_time()
+    eng.step([(e, obs[e][0], budgets[e][0]) for e in range(E)], follow=follow)
+    sync(device)
+    wall, cpu = time.perf_counter() - a, time.process_time() - cpu
+    d = {key: eng.stats.get(key, 0) - stats0.get(key, 0) for key in ("decode_steps", "admit_s", "graph_capture_s")}
+    rows, cmp, convs = [], [0, 0, 0.0], [[] for _ in range(E)]
+    for t in range(cfg.turns):
+        for e in range(E):
+            convs[e] += obs[e][t]
+        row = dict(turn=t, mean_context=round(sum(map(len, convs)) / E, 1), engine_done_s=done_at[t],
+                   engine_tokens=sum(len(outs[e][t][0]) for e in range(E)))
+        if t < cfg.plain_turns:
+            sync(device)
+            b = time.perf_counter()
+            plain = plain_turn_batch(model, convs, [bs[t] for bs in budgets], stop_ids, cfg, device)
+            sync(device)
+            row.update(plain_s=time.perf_counter() - b, plain_tokens=sum(len(p[0]) for p in plain))
+            if cfg.temperature <= 0:
+                row["identical_rows"] = compare([outs[e][t] for e in range(E)], plain, cmp)
+        for e in range(E):
+            convs[e] += outs[e][t][0]
+        row["outs"] = [outs[e][t][0] for e in range(E)]
+        rows.append(row)
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items() if k != "outs"}),
+              flush=True)
+    # the call's totals go on the first row (turns overlap: there are no per-turn engine seconds)
+    rows[0].update(engine_s=wall, engine_cpu_s=cpu, decode_steps=d["decode_steps"], admit_s=d["admit_s"],
+                   capture_s=d["graph_capture_s"])
+    for r in rows[1:]:
+        r.update(engine_s=0.0, engine_cpu_s=0.0, decode_steps=0, admit_s=0.0, capture_s=0.0)
+    return rows, cmp, window
+
+
+def main(cfg: BenchConfig) -> int:
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+    dtype = (getattr(torch, cfg.dtype) if cfg.dtype != "auto"
+             else torch.bfloat16 if device == "cuda" else torch.float32)
+    t0 = time.time()
+    model, n_params = build_model(cfg, device, dtype)
+    V = model.config.vocab_size
+    rng = random.Random(cfg.seed)
+    stop_ids = {1} | {t for t in range(2, V) if rng.random() < cfg.stop_frac}
+    print(f"model {cfg.preset}: {n_params / 1e9:.2f}B params, {dtype}, {device}, built in {time.time() - t0:.0f}s "
+          f"(experts={model.get_experts_implementation()}, attn={model.config._attn_implementation})", flush=True)
+    toks = lambda n: [rng.randrange(2, V) for _ in range(n)]
+    obs = [[toks(cfg.prompt_tokens)] + [toks(rng.randint(cfg.obs_min_tokens or cfg.obs_tokens // 2, cfg.obs_tokens))
+                                        for _ in range(cfg.turns - 1)] for _ in range(cfg.episodes)]
+    budgets = [[rng.randint(max(1, cfg.new_tokens // 2), cfg.new_tokens) for _ in range(cfg.turns)]
+               for _ in range(cfg.episodes)]
+    eng = Engine(model, None, max_batch=cfg.max_batch or cfg.episodes, max_new_tokens=cfg.new_tokens,
+                 temperature=cfg.temperature, seed=cfg.seed, stop_ids=stop_ids, experts=cfg.experts,
+                 fused=None if cfg.fused else False, attention=None if cfg.attention == "auto" else cfg.attention,
+                 cuda_graphs=cfg.cuda_graphs, static_batch=cfg.static_batch, kv_budget_gib=cfg.kv_budget_gib,
+                 kv_evict=cfg.kv_evict)
+
+    cp = CriticalPath()
+    if cfg.stub_forward:
+        stub_forward(eng, device, cfg.seed, cp)
+        cfg = dataclasses.replace(cfg, plain_turns=0)
+    # warm-up (CUDA context, kernels, allocator) for both paths, then forget the warm-up episode
+    eng.step([("warmup", toks(16), 4)])
+    eng.release("warmup")
+    if cfg.plain_turns:
+        plain_turn_batch(model, [toks(16)], [4], stop_ids, cfg, device)
+    eng.stats = {k: 0 for k in eng.stats}
 
     k = min(cfg.plain_turns, cfg.turns)
+    if cfg.overlap and not cfg.stub_forward:
+        rows, cmp, window = overlapped_turns(cfg, eng, model, obs, budgets, stop_ids, device)
+    else:
+        rows, cmp = lockstep_turns(cfg, eng, model, obs, budgets, stop_ids, device, cp)
+        window = dict(s=sum(r["engine_s"] for r in rows[:k]), tokens=sum(r["engine_tokens"] for r in rows[:k]))
+    same, total_cmp, max_dlp = cmp
+    convs = [[] for _ in range(cfg.episodes)]
+    for r in rows:
+        outs = r.pop("outs")
+        for e in range(cfg.episodes):
+            convs[e] += obs[e][r["turn"]] + outs[e]
     steps = sum(r["decode_steps"] for r in rows)
     syncs = None
     if cfg.stub_forward:   # after the timed turns: counting slows every torch call
@@ -430,7 +513,7 @@ def main(cfg: BenchConfig) -> int:
     res = dict(config=dataclasses.asdict(cfg), device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
                params_b=n_params / 1e9, dtype=str(dtype), torch=torch.__version__,
                transformers=__import__("transformers").__version__,
-               engine_tok_s=tps(rows, "engine"), engine_tok_s_first_k=tps(rows[:k], "engine") if k else None,
+               engine_tok_s=tps(rows, "engine"), engine_tok_s_first_k=window["tokens"] / max(1e-9, window["s"]) if k else None,
                plain_tok_s_first_k=tps(rows[:k], "plain") if k else None, plain_turns_run=k,
                identical_turns=f"{same}/{total_cmp}" if total_cmp else None,
                max_abs_dlogprob=max_dlp if total_cmp else None,
@@ -457,18 +540,29 @@ def main(cfg: BenchConfig) -> int:
     print(f"{cfg.episodes} episodes x {cfg.turns} turns (plain: first {k}), obs <= {cfg.obs_tokens}, "
           f"new <= {cfg.new_tokens}, max_batch {cfg.max_batch or cfg.episodes}, T={cfg.temperature}, "
           f"KV budget {cfg.kv_budget_gib} GiB ({cfg.kv_evict})\n")
-    print("| turn | mean context | plain s | engine s | plain tok | engine tok | decode steps | engine ms/step "
-          "| identical rows |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        plain_s = f"{r['plain_s']:.2f}" if "plain_s" in r else "-"
-        print(f"| {r['turn']} | {r['mean_context']:.0f} | {plain_s} | {r['engine_s']:.2f} | "
-              f"{r.get('plain_tokens', '-')} | {r['engine_tokens']} | {r['decode_steps']} | {r['ms_per_step']:.2f} "
-              f"| {r.get('identical_rows', '-')} |")
+    if "engine_done_s" in rows[0]:   # overlapped turns: when the last episode finished each turn
+        print("| turn | mean context | plain s | engine: all episodes done by (s) | plain tok | engine tok "
+              "| identical rows |")
+        print("|---:|---:|---:|---:|---:|---:|---:|")
+        for r in rows:
+            plain_s = f"{r['plain_s']:.2f}" if "plain_s" in r else "-"
+            print(f"| {r['turn']} | {r['mean_context']:.0f} | {plain_s} | {r['engine_done_s']:.2f} | "
+                  f"{r.get('plain_tokens', '-')} | {r['engine_tokens']} | {r.get('identical_rows', '-')} |")
+    else:
+        print("| turn | mean context | plain s | engine s | plain tok | engine tok | decode steps | engine ms/step "
+              "| identical rows |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for r in rows:
+            plain_s = f"{r['plain_s']:.2f}" if "plain_s" in r else "-"
+            print(f"| {r['turn']} | {r['mean_context']:.0f} | {plain_s} | {r['engine_s']:.2f} | "
+                  f"{r.get('plain_tokens', '-')} | {r['engine_tokens']} | {r['decode_steps']} | "
+                  f"{r['ms_per_step']:.2f} | {r.get('identical_rows', '-')} |")
     print("\n| metric | value |\n|---|---:|")
     if k:
         print(f"| plain tok/s (turns 0..{k - 1}) | {res['plain_tok_s_first_k']:.1f} |")
-        print(f"| engine tok/s (turns 0..{k - 1}) | {res['engine_tok_s_first_k']:.1f} |")
+        until = (f"; overlapped: until every episode had finished turn {k - 1}, incl. later turns' tokens by then"
+                 if "engine_done_s" in rows[0] else "")
+        print(f"| engine tok/s (turns 0..{k - 1}{until}) | {res['engine_tok_s_first_k']:.1f} |")
         print(f"| speedup (same turns; a lower bound for more turns) | {res['speedup_first_k']:.1f}x |")
     print(f"| engine tok/s (all {cfg.turns} turns) | {res['engine_tok_s']:.1f} |")
     print(f"| engine ms per decode step (turn seconds incl. prefill / decode steps); sampled tokens per step | "
@@ -495,7 +589,8 @@ def main(cfg: BenchConfig) -> int:
     print(f"| KV of all episodes at the end | {res['kv_all_episodes_gib']:.3g} GiB |")
     print(f"| KV budget; peak resident (arena + idle caches) | {cfg.kv_budget_gib} GiB; "
           f"{s['kv_peak_resident_gib']:.3g} GiB |")
-    print(f"| arena rows (max) | {s['arena_rows_max']} of {cfg.max_batch or cfg.episodes} |")
+    print(f"| arena rows (max); times the arena grew (overlapped turns) | {s['arena_rows_max']} of "
+          f"{cfg.max_batch or cfg.episodes}; {s.get('arena_grows', 0)} |")
     print(f"| KV tokens offloaded / reloaded / dropped | {s['kv_offloaded_tokens']} / {s['kv_reloaded_tokens']} / "
           f"{s['kv_dropped_tokens']} |")
     print(f"| KV copy seconds (offload + reload) | {s['kv_offload_s']:.2f} |")

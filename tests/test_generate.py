@@ -179,6 +179,62 @@ def test_continuous_batching_equals_unbatched(model):
     assert eng.stats["decode_positions"] % 3 == 0
 
 
+def run_follow(model, script, **kw):
+    """Drive the engine with one `step` call: each episode's next turn joins as soon as its row finishes."""
+    eng = Engine(model, None, stop_ids=STOP, **kw)
+    outs, order = {e: [] for e in script}, []
+
+    def follow(res):
+        e, ids, lps, why = res
+        outs[e].append((ids, lps, why))
+        order.append((e, len(outs[e]) - 1))
+        return script[e][len(outs[e])] if len(outs[e]) < len(script[e]) else None
+
+    last = eng.step([(e, *turns[0]) for e, turns in script.items()], follow=follow)
+    assert [r[1:] for r in last] == [outs[e][-1] for e in script]        # step returns each episode's last turn
+    return outs, eng, order
+
+
+def test_follow_ups_equal_turn_by_turn(model):
+    """step(follow=...) overlaps turns across episodes (and widens the arena as contexts grow) with the same
+    tokens and log-probs as one `step` per turn, sampled and greedy, dynamic and static (CUDA-graph) batches."""
+    script = long_script(6, 5, seed=21)
+    for kw in (dict(temperature=0.8, top_p=0.9, seed=4), dict(temperature=0.0)):
+        ref, _ = run_engine(model, script, max_batch=4, **kw)
+        for mb, static in ((4, False), (6, True), (2, False)):
+            outs, eng, order = run_follow(model, script, max_batch=mb, static_batch=static, **kw)
+            assert_same(outs, ref, tol=1e-5)
+            assert eng.stats["arena_grows"] >= 1, eng.stats              # 120-token prompts, then +5..37 a turn
+            if mb == len(script):   # a row per episode: some episode is a turn ahead of another at some point
+                turns = [t for _, t in order]
+                assert turns != sorted(turns), "no episode began a turn before all had finished the previous one"
+    assert eng.fed == {e: len(eng.history(e)) - 1 for e in script}    # every token fed once: no re-prefill
+
+
+def test_follow_ups_over_a_kv_budget_wait_for_the_next_run(model):
+    """With a KV budget the arena never grows: a follow-up turn that does not fit waits for a later run of the
+    same `step` call, with the same outputs."""
+    script = long_script(4, 4, seed=22)
+    ref, eng0 = run_engine(model, script, max_batch=4, temperature=0.0)
+    outs, eng, _ = run_follow(model, script, max_batch=4, temperature=0.0,
+                              kv_budget_gib=600 * eng0.kv_token_bytes / 2 ** 30)
+    assert_same(outs, ref, tol=1e-5)
+    assert eng.stats["arena_grows"] == 0 and eng.stats["kv_peak_resident_gib"] * 2 ** 30 <= 600 * eng0.kv_token_bytes
+
+
+def test_follow_up_past_the_context_is_a_context_result(model):
+    """A follow-up turn with no room left under max_context ends as "context" and follow is asked again."""
+    eng = Engine(model, None, stop_ids=set(), temperature=0.0, max_context=40)
+    seen = []
+
+    def follow(res):
+        seen.append(res[3])
+        return [7] * 30 if len(seen) == 1 else None
+
+    (_, ids, _, why), = eng.step([(0, [5] * 20, 8)], follow=follow)
+    assert seen == ["length", "context"] and (ids, why) == ([], "context")
+
+
 @pytest.mark.gpu
 def test_cuda_graph_decode_matches_eager():
     """On CUDA: graph-replayed decode gives the eager engine's tokens (same batch layout) and really replays."""
@@ -195,8 +251,8 @@ def test_triton_decode_attention_matches_plain(model, monkeypatch):
     """Engine(attention="triton"): decode attention through fused_ops' kernel (the Triton interpreter on CPU),
     greedy turns equal the plain reference in fp32."""
     import fused_ops
-    if fused_ops.triton is None or not (fused_ops.INTERPRET or torch.cuda.is_available()):
-        pytest.skip("needs triton (CUDA, or TRITON_INTERPRET=1 on CPU)")
+    if fused_ops.triton is None or not fused_ops.INTERPRET:   # the model is on the CPU (the GPU test: test_fused_ops)
+        pytest.skip("needs triton with TRITON_INTERPRET=1 (CPU tensors)")
     calls, real = [], fused_ops.decode_attention
     monkeypatch.setattr(fused_ops, "decode_attention", lambda *a: calls.append(1) or real(*a))
     script = make_script(4, 3, seed=5)
