@@ -15,6 +15,10 @@ device within the budget (generate.py, above `Engine`). Preset `a3b_kv`: 64 epis
 ~90 GiB of KV at 96 KiB per token, run within 40 GiB; `toy_kv` is the same mechanism on the CPU toy model.
 Reported: arena rows, peak resident KV, tokens offloaded/reloaded/dropped and seconds of copies.
 
+Overlapped turns (`--overlap`): the engine runs all turns in one `Engine.step(follow=)` call, each episode's next
+observation joining as soon as its turn ends; the plain loop then replays the first turns on the conversations
+the engine produced, and the engine's rate over those turns is taken until every episode had finished them.
+
 Reported: tokens/s of both over the turns both ran (the plain loop's later turns are only slower, so the
 speedup on its first turns is a lower bound), engine tokens/s over all turns, seconds per turn vs turn index,
 and under greedy decoding (`--temperature 0`) the fraction of turns where engine and plain produced the
