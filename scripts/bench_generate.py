@@ -353,6 +353,16 @@ def count_syncs(eng: Engine, reqs: list, device: str) -> dict:
     return out
 
 
+def timed_plain_turn(model, convs, budgets, stop_ids, cfg, device, row: dict) -> list:
+    """plain_turn_batch, its seconds and tokens recorded in row (plain_s, plain_tokens)."""
+    sync(device)
+    a = time.perf_counter()
+    plain = plain_turn_batch(model, convs, budgets, stop_ids, cfg, device)
+    sync(device)
+    row.update(plain_s=time.perf_counter() - a, plain_tokens=sum(len(p[0]) for p in plain))
+    return plain
+
+
 def lockstep_turns(cfg, eng, model, obs, budgets, stop_ids, device, cp):
     """One engine `step` per turn over all episodes (the turn waits for its longest row); on turns < plain_turns
     the plain loop runs first on the same conversations. Returns (rows, [identical, compared, max |dlp|])."""
@@ -364,11 +374,7 @@ def lockstep_turns(cfg, eng, model, obs, budgets, stop_ids, device, cp):
         ctx = sum(map(len, convs)) / cfg.episodes
         row = dict(turn=t, mean_context=round(ctx, 1))
         if t < cfg.plain_turns:
-            sync(device)
-            a = time.perf_counter()
-            plain = plain_turn_batch(model, convs, [b[t] for b in budgets], stop_ids, cfg, device)
-            sync(device)
-            row.update(plain_s=time.perf_counter() - a, plain_tokens=sum(len(p[0]) for p in plain))
+            plain = timed_plain_turn(model, convs, [b[t] for b in budgets], stop_ids, cfg, device, row)
         sync(device)
         a, copy_s, steps = time.perf_counter(), eng.stats["kv_offload_s"], eng.stats["decode_steps"]
         cpu = time.process_time()
@@ -443,11 +449,7 @@ def overlapped_turns(cfg, eng, model, obs, budgets, stop_ids, device):
         row = dict(turn=t, mean_context=round(sum(map(len, convs)) / E, 1), engine_done_s=done_at[t],
                    engine_tokens=sum(len(outs[e][t][0]) for e in range(E)))
         if t < cfg.plain_turns:
-            sync(device)
-            b = time.perf_counter()
-            plain = plain_turn_batch(model, convs, [bs[t] for bs in budgets], stop_ids, cfg, device)
-            sync(device)
-            row.update(plain_s=time.perf_counter() - b, plain_tokens=sum(len(p[0]) for p in plain))
+            plain = timed_plain_turn(model, convs, [b[t] for b in budgets], stop_ids, cfg, device, row)
             if cfg.temperature <= 0:
                 row["identical_rows"] = compare([outs[e][t] for e in range(E)], plain, cmp)
         for e in range(E):
