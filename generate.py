@@ -256,7 +256,7 @@ class Engine:
         return self.step(news)
 
     @torch.no_grad()
-    def step(self, requests: list[tuple], follow: Follow | None = None) -> list[tuple[Hashable, list[int], list[float], str]]:
+    def step(self, requests: list[tuple], follow: Follow | None = None) -> list[Result]:
         """requests: [(episode_id, new_ids) or (episode_id, new_ids, max_new_tokens)], one per episode.
 
         new_ids are the tokens appended since the episode's last call (the whole prompt on the first).
@@ -271,7 +271,7 @@ class Engine:
         assert len({r[0] for r in requests}) == len(requests), "one request per episode per step"
         results, queue = {}, []
         for eid, new, *rest in requests:
-            ep = self.episodes.setdefault(eid, _Episode([], 0, None, episode_generator(self.seed, eid)))
+            self.episodes.setdefault(eid, _Episode([], 0, None, episode_generator(self.seed, eid)))
             self._enqueue(eid, new, rest[0] if rest else None, results, queue, follow)
         self._follow = follow
         try:
