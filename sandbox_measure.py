@@ -184,6 +184,15 @@ def stats(times: list) -> dict:
 BASELINE_ROUNDS = 3  # eager and compiled timed in interleaved rounds; the host keeps each round's median
 
 
+def round_medians(times: list, rounds: int = BASELINE_ROUNDS) -> list:
+    """Medians of `rounds` consecutive, equal slices of `times` (the last takes the remainder). A candidate's timed
+    calls go through this so that its time is the baselines' statistic: the minimum of round medians."""
+    import statistics
+    n = max(1, len(times) // rounds)
+    return [statistics.median(times[i * n:(i + 1) * n if i < rounds - 1 else len(times)])
+            for i in range(min(rounds, len(times)))]
+
+
 def time_baselines(task, model, job: dict) -> dict:
     """{"eager": [round medians], "compile": [round medians] | None, "eager_cv", "compile_error"}.
 

@@ -479,9 +479,12 @@ def _warm_up(device: str, warm_for: str, ch: Channel):
     else:
         with torch.no_grad(), _guard_cls()():
             torch.empty_like(x)
+        ch.send({"type": "stage", "stage": "guard"})
         with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
             torch.relu(x)
+        ch.send({"type": "stage", "stage": "profiler"})
     sketch([x], [1] * SKETCH_KEYS)
+    ch.send({"type": "stage", "stage": "sketch"})
     torch.randn(1 << 20).mul_(2).sum()  # torch's intra-op thread pool, started before any thread check
     _sync()
     ch.send({"type": "stage", "stage": "warm"})

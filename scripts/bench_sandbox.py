@@ -261,10 +261,19 @@ def main() -> int:
         print(f"load_inline: {res['load_inline_s']} s; first check: {res['first_check_s']:.1f} s "
               f"{res['first_check_split_s']}", flush=True)
         assert first.correct, first.to_dict()
-        verdicts, t = [], time.perf_counter()
+        verdicts, walls, t = [], [], time.perf_counter()
         for _ in range(args.checks):
+            t_one = time.perf_counter()
             verdicts.append(sandbox.check(task, sol, cfg))
+            walls.append(time.perf_counter() - t_one)
         dt = time.perf_counter() - t
+        # a check's wall time: preparing (reads, compile cache, scan), the reference child or pool, the candidate
+        # child, and the rest (verdict, timing statistics, job dir removal)
+        res["check_s"] = {"median": statistics.median(walls), "all": [round(w, 3) for w in walls]}
+        res["prepare_s_median"] = statistics.median(v.timings.get("prepare_s", 0) for v in verdicts)
+        res["rest_s_median"] = statistics.median(w - sum(v.timings.get(k, 0) for k in ("prepare_s", "reference_s",
+                                                                                     "candidate_s"))
+                                                 for w, v in zip(walls, verdicts))
         res["checks_per_min"] = 60 * args.checks / dt
         # where a check's time goes: the reference child (0 when its output pool is reused) and the candidate child
         res["reference_s_median"] = statistics.median(v.timings.get("reference_s", 0) for v in verdicts)
@@ -310,8 +319,13 @@ def main() -> int:
     split = res["first_check_new_task_split_s"]
     print(f"| first check of a new task, spares running | {res['first_check_new_task_s']:.1f} s (reference child "
           f"{split['reference_s']} s, candidate child {split['candidate_s']} s) |")
-    print(f"| per check, median: reference child / candidate child | {res['reference_s_median']:.2f} s / "
-          f"{res['candidate_s_median']:.2f} s |")
+    print(f"| per check, median: wall / prepare / reference child / candidate child / rest | "
+          f"{res['check_s']['median']:.3f} / {res['prepare_s_median']:.3f} / {res['reference_s_median']:.3f} / "
+          f"{res['candidate_s_median']:.3f} / {res['rest_s_median']:.3f} s |")
+    cands_r = [v.timings.get("cand_median_all") for v in verdicts if v.timings.get("cand_median_all")]
+    if cands_r:
+        print(f"| candidate ms, median over checks of the median of all timed calls (the former statistic) | "
+              f"{statistics.median(cands_r):.4f} |")
     print(f"| a check's {len(verdicts[0].trials)} trials, median: waiting for the child / comparing "
           f"(on {args.compare_on}) | {res['trials_child_s_median']:.2f} s / {res['trials_compare_s_median']:.2f} s |")
     print(f"| candidate ms median over checks | {statistics.median(cands):.4f} |")

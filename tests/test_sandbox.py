@@ -390,6 +390,18 @@ def test_clock_overwritten_in_memory_caught_by_host_wall_clock(pcfg):
     assert v.violation and "timer mismatch" in v.violation, v.to_dict()
 
 
+def test_candidate_time_is_the_baselines_statistic():
+    """The candidate's time is the minimum of its round medians, as the eager baseline's is: two slow rounds and
+    one fast give the fast round's median (the median over all calls would give the slow one)."""
+    ms = [1.0] * 34 + [1.1] * 33 + [0.5] * 33
+    calls = [{"ms": m, "span_ms": m, "host_ms": m} for m in [2.0] * 3 + ms]  # 3 warm-ups, not counted
+    base = {"eager_ms": 0.4, "compile_ms": 0.8, "runs": 2, "eager_rounds": [0.4, 0.45, 0.5]}
+    v = sandbox.Verdict(correct=True)
+    sandbox._timing({"calls": calls}, base, v, SandboxConfig(warmup=3, iters=100), retime=None)
+    assert v.timings["cand_rounds"] == [1.0, 1.1, 0.5] and v.timings["cand_median_all"] == 1.0
+    assert v.candidate_ms == 0.5 and v.speedup_eager == pytest.approx(0.8) and v.speedup_compile == pytest.approx(1.6)
+
+
 # ----------------------------------------------------------------------------- escapes
 def test_fake_verdict_on_stdout_and_result_fd(cfg):
     fake = '{"compiled": true, "correct": true, "violation": null, "error": null, "reward": 3.0}'
