@@ -81,6 +81,13 @@ def baseline_cache(cfg: SandboxConfig, key: str, value: dict | None = None) -> d
 REF_SPARES = Spares()  # warm reference children: torch, CUDA and torch.compile's modules already imported
 
 
+def _inductor_env(inductor: str) -> dict:
+    """torch.compile in a reference child: its own cache dir, and one compile thread. Inductor's default is a
+    pool of worker processes, one per core, each importing torch; they count towards the child's RSS limit
+    (the whole process tree), and on a 16-core host the pool alone took the 128-sine task over 8 GB."""
+    return {"TORCHINDUCTOR_CACHE_DIR": inductor, "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+
+
 def ref_spare(cfg: SandboxConfig, gpu) -> tuple:
     """(key, count, spawn) of the warm reference children of this config and device slot: two each, since
     a task's first check runs one and, when its candidate beats a baseline timed once, the re-timing runs
@@ -90,7 +97,7 @@ def ref_spare(cfg: SandboxConfig, gpu) -> tuple:
     def spawn() -> Child:
         os.makedirs(inductor, exist_ok=True)  # bound writable into the child: it must exist first
         return Child(new_jobdir(), device=cfg.device, mem_limit_mb=cfg.mem_limit_mb, gpu=gpu, writable=(inductor,),
-                     env={"TORCHINDUCTOR_CACHE_DIR": inductor}, warm_for="reference")
+                     env=_inductor_env(inductor), warm_for="reference")
     return (cfg.device, gpu, cfg.mem_limit_mb, inductor, isolation()), min(2, warm_spares(cfg)), spawn
 
 
@@ -112,9 +119,7 @@ def run_reference(task_src: str, cfg: SandboxConfig, seeds: list[int], want_base
                "timing_seed": secrets.randbelow(2**31), "init_seed": cfg.seed,
                "baselines": want_baselines, "precision": precision_of(cfg),
                "warmup": cfg.warmup, "iters": cfg.iters, "warm": warm}
-        env = {"TORCHINDUCTOR_CACHE_DIR": inductor}
-        if warm:  # prewarm runs many children at once: one compile thread each, no worker pool per child
-            env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+        env = _inductor_env(inductor)
         outputs: dict = {}
 
         def on_msg(msg, control):  # outputs arrive one seed at a time
