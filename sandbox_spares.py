@@ -16,8 +16,8 @@ from sandbox_child import Child
 
 def warm_spares(cfg) -> int:
     """Spares per device slot: a spare's start-up (7-8 s on an H200 while others start too) over a check's time
-    (~0.6 s) needs many in flight on a GPU: with 8, 3-5 checks in twenty waited for their spare and checks ran
-    at 63-64 a minute; with 12, 1-2 in twenty waited, 92-97 a minute (docs/RESULTS.md). Each holds a CUDA
+    (~0.6 s) needs many in flight on a GPU: with 8, 3-8 checks in twenty waited for their spare and checks ran
+    at 50-67 a minute; with 12, 1-3 in twenty waited, 72-97 a minute (docs/RESULTS.md). Each holds a CUDA
     context on its GPU. On a CPU every spare's start competes with the check being timed."""
     return cfg.warm_spares if cfg.warm_spares >= 0 else 12 if cfg.device == "cuda" else 0
 
