@@ -293,7 +293,8 @@ def ppo_iteration(run: Run, stage: int, step: int, trajs: list | None = None, si
         run.logger.phase("rollout")
         t0 = time.time()
         wd = os.path.join(cfg.out, "workspaces", f"s{stage}_{step}_r{rank}")
-        trajs = rollout(run, max(cfg.batch_size, world), demo_fraction, single_turn, wd, key=f"{stage}:{step}")
+        n = cfg.agent_batch_size if stage == 4 and cfg.agent_batch_size else cfg.batch_size
+        trajs = rollout(run, max(n, world), demo_fraction, single_turn, wd, key=f"{stage}:{step}")
         t_gen = time.time() - t0
         tasks_mod.save_trajectories(os.path.join(cfg.out, "rollouts", f"s{stage}_{step:04d}_r{rank}.jsonl"),
                                     trajs, stage=stage, step=step)

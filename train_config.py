@@ -80,13 +80,18 @@ class TrainConfig:
     """learning rate of the freshly initialised scalar value head"""
     batch_size: int = 4
     """trajectories per PPO step, summed over ranks (paper: 1024); tiny: 4, each task once a step"""
+    agent_batch_size: int | None = 8
+    """stage 4: trajectories per PPO step, summed over ranks (none = --batch-size). Tiny: 8, each task the probe
+    keeps 2-8 times a step: samples of one task to compare, with both outcomes more often than in 4"""
     micro_batch_size: int = 2
     """trajectories per forward/backward (gradient accumulation; the loss is invariant to it)"""
     ppo_epochs: int = 4
-    """passes over each batch (paper: "one update per batch" -> 1); tiny: 4, so that a 4-episode batch moves
-    the actor within the clip range instead of by one unclipped step (updates cost little next to rollouts)"""
-    num_minibatches: int = 1
-    """optimizer steps per epoch (paper: 1)"""
+    """passes over each batch (paper: "one update per batch" -> 1); tiny: 4, so that a batch of a few episodes
+    moves the actor within the clip range instead of by one unclipped step (updates cost little next to
+    rollouts)"""
+    num_minibatches: int = 2
+    """optimizer steps per epoch (paper: 1); tiny: 2, eight smaller AdamW steps per PPO step instead of four,
+    each of them inside the clip range of the batch it was computed on"""
     eps_low: float = 0.2
     """lower clip range of the ratio (Eq. 5)"""
     eps_high: float = 0.28
@@ -112,8 +117,10 @@ class TrainConfig:
     """stage 1: single-turn PPO warm-up steps"""
     rft_rollouts: int = 16
     """stage 2: agent trajectories collected with the warm-up policy (before filtering)"""
-    rft_steps: int = 80
-    """stage 2: SFT steps on the filtered trajectories; 0 = no RFT (ablation)"""
+    rft_steps: int = 65
+    """stage 2: SFT steps on the filtered trajectories; 0 = no RFT (ablation). Tiny: 65, an actor that passes a
+    task in some of its samples and not others, so that stage 4 has room to learn (after 80 steps it passes
+    the tasks it learned in ~3 of 4 samples, after 50 in ~1 of 10: docs/RESULTS.md §1)"""
     rft_batch_size: int = 2
     """stage 2: trajectories per SFT step"""
     rft_drop_truncated: bool = False
@@ -127,7 +134,7 @@ class TrainConfig:
     value_lam: float = 1.0
     """stage 3: GAE lambda of the critic's targets; 1 = Monte-Carlo returns (the final reward at every token,
     independent of the critic being fitted); --value-lam 0.95 = stage 4's targets (not stated in the paper)"""
-    agent_steps: int = 10
+    agent_steps: int = 12
     """stage 4: agentic PPO steps (paper: 150)"""
     mixed_probe: int = 4
     """stage 4: before its first step, sample the RFT actor this many times on every task and train stage 4 on
@@ -146,9 +153,12 @@ class TrainConfig:
                                                                      tool_workers=4))
     """the agent environment of stages 1, 2 and 4: --env.max-turns 1 = no agent loop (single-turn ablation),
     --env.reward speedup (ablation), --env.max-context-tokens (paper: 32k single-turn, 128k agentic)"""
-    sandbox: sandbox.SandboxConfig = field(default_factory=lambda: sandbox.SandboxConfig(device="auto"))
+    sandbox: sandbox.SandboxConfig = field(default_factory=lambda: sandbox.SandboxConfig(device="auto", warmup=2,
+                                                                                          iters=10))
     """the sandbox that compiles, verifies and times candidates: --sandbox.device auto | cpu | cuda (auto: cuda
-    when torch lists a GPU, else cpu; its seed is --seed)"""
+    when torch lists a GPU, else cpu; its seed is --seed). Tiny: 2 warm-up and 10 timed calls (default 5 and
+    50): on the CPU the 55 timed calls were 5.3 s of a profiled check's 8.1 s, and checks ~90% of stage 4's
+    time (docs/RESULTS.md §1)"""
 
 
 # The paper's recipe (§4.1) where it states one; ours (marked) where it does not.
@@ -161,7 +171,8 @@ PRESETS = {
         sandbox=sandbox.SandboxConfig(device="cuda"), bf16=True, grad_checkpointing=True, max_new_tokens=8192,
         lora_rank=16, lora_alpha=32.0,       # ours: ~0.63B parameters per adapter on Qwen3-30B-A3B (r = 16)
         lr_actor=3e-5, lr_rft=None, lr_critic=6e-5, lr_head=1e-4, kl_coef=0.0,  # ours: ~10x the paper's rates
-        batch_size=1024, micro_batch_size=1, ppo_epochs=1, num_minibatches=1,  # "one update per batch"
+        batch_size=1024, agent_batch_size=None, micro_batch_size=1,
+        ppo_epochs=1, num_minibatches=1,     # "one update per batch"
         lam=0.95, warmup_steps=50, rft_rollouts=1024, rft_steps=200, rft_batch_size=64,  # ours (not stated)
         value_pretrain_steps=50, agent_steps=150, checkpoint_every=1, sample_every=10, kv_budget_gib=40.0,
         rollout_experts="fused",             # ours: the Triton decode experts (docs/RESULTS.md §3)

@@ -3,6 +3,8 @@
 #
 #   ROOT=/tmp/ctl SEEDS="0 1 2" scripts/stage4_control.sh && python scripts/stage4_control_report.py /tmp/ctl
 #
+# ARGS="--flag value ..." is added to every command (both arms and the run that prepares them).
+#
 # Per seed: the default command runs stages 1-3 into ROOT/sS/base and is stopped as it prints the stage-4
 # header (its checkpoint.pt is then the stage-3 end, stage 4 step 0: written before the header, and the next
 # one comes only after the first stage-4 step). Two copies of that directory resume stage 4: "trained" as the
@@ -16,7 +18,7 @@ for s in ${SEEDS:-0 1 2}; do
   D=$ROOT/s$s; B=$D/base; mkdir -p "$D"
   echo "seed $s prep start $(date +%T) $(uptime)" >> "$ROOT/times"
   t0=$(date +%s)
-  setsid nice -n 10 python cuda_agent.py train --out "$B" --seed "$s" > "$D/prep.log" 2>&1 &
+  setsid nice -n 10 python cuda_agent.py train --out "$B" --seed "$s" ${ARGS:-} > "$D/prep.log" 2>&1 &
   pid=$!
   while kill -0 $pid 2>/dev/null; do
     if grep -q "==== stage 4)" "$D/prep.log"; then kill -TERM -- -$pid; break; fi
@@ -30,7 +32,7 @@ print('seed $s base checkpoint stage', ck['stage'], 'step', ck['step'])" >> "$RO
     rm -rf "${D:?}/$arm"; cp -a "$B" "$D/$arm"
     extra=""; [ $arm = control ] && extra="--lr-actor 0"
     echo "seed $s $arm start $(date +%T) $(uptime)" >> "$ROOT/times"
-    /usr/bin/time -v nice -n 10 python cuda_agent.py train --out "$D/$arm" --seed "$s" --resume $extra \
+    /usr/bin/time -v nice -n 10 python cuda_agent.py train --out "$D/$arm" --seed "$s" --resume ${ARGS:-} $extra \
       > "$D/$arm.log" 2>&1
     echo "seed $s $arm rc $? end $(date +%T) $(uptime)" >> "$ROOT/times"
   done

@@ -100,7 +100,8 @@ def sign_p(k, n):  # two-sided exact sign test
     if n == 0: return 1.0
     m = max(k, n - k)
     return min(1.0, 2 * sum(comb(n, i) for i in range(m, n + 1)) / 2 ** n)
-seeds = sorted({s for s, _ in res if all(len(res.get((s, a), {}).get("ok", [])) == 10 for a in ("trained", "control"))})
+seeds = sorted({s for s, _ in res if (s, "trained") in res and (s, "control") in res  # both arms, as many steps
+                and len(res[(s, "trained")]["ok"]) == len(res[(s, "control")]["ok"])})
 tot = dict(at=0, bt=0, ac=0, bc=0, n=0, tc=0, ct=0, tc2=0, ct2=0)
 for s in seeds:
     t, c = res[(s, "trained")], res[(s, "control")]
