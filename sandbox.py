@@ -50,8 +50,9 @@ Threat model. COVERED:
   * Timing: clocks and the torch functions of the checks bound before candidate import; a device-wide
     sync around every timed call; NaN-filled free memory and an L2 flush before each; the child's clock
     must agree with the host's over the same spans. Baselines: eager and compiled in interleaved rounds,
-    the minimum round median kept (the candidate's timed calls likewise, in as many rounds), re-timed in a new child before a speedup tier is awarded on a baseline
-    from a single run (`Verdict.timings["baseline"]`, `["baseline_retimed"]`).
+    the minimum round median kept (the candidate's timed calls likewise, in as many rounds), re-timed in a
+    new child before a speedup tier is awarded on a baseline from a single run (`Verdict.timings["baseline"]`,
+    `["baseline_retimed"]`).
   * No state survives a check: one candidate per process (a warm spare is killed once its result is in,
     and nothing is timed on its GPU until it has exited: `settle`), job dirs are deleted, the cache is hidden, and a load_inline source is built once by a child that sees no
     input; checked runs get a private copy of that build dir.
@@ -540,7 +541,7 @@ def _timing(seen: dict, base: dict, v: Verdict, cfg: SandboxConfig, retime):
     ms = [c["ms"] for c in calls]
     child_span, host_span = sum(c["span_ms"] for c in calls), sum(c["host_ms"] for c in calls)
     rounds, mean = sandbox_measure.round_medians(ms), statistics.fmean(ms)
-    med = min(rounds)
+    cand_ms = min(rounds)
     v.timings.update({"cand_cv": statistics.pstdev(ms) / mean if mean > 0 else 0.0, "n_iters": len(ms),
                       "cand_rounds": [round(r, 5) for r in rounds], "cand_median_all": statistics.median(ms),
                       "host_span_ms": round(host_span, 3), "child_span_ms": round(child_span, 3)})
@@ -552,13 +553,13 @@ def _timing(seen: dict, base: dict, v: Verdict, cfg: SandboxConfig, retime):
         v.correct, v.violation = False, (f"timer mismatch: host saw {host_span:.1f} ms, child reported "
                                          f"{child_span:.1f} ms (sum of timed calls {sum(ms):.1f} ms)")
         return
-    if med < 0.95 * base["eager_ms"] and base.get("runs", 1) < 2:  # a speedup tier depends on this baseline
+    if cand_ms < 0.95 * base["eager_ms"] and base.get("runs", 1) < 2:  # a speedup tier depends on this baseline
         base = retime()
         v.timings["baseline_retimed"] = True
     v.timings.update({"baseline": f"min of {len(base['eager_rounds'])} round medians over {base['runs']} run(s)",
                       "eager_spread": round(base.get("spread", 0.0), 4), "eager_cv": base.get("eager_cv"),
                       "compile_error": base.get("compile_error")})
-    v.candidate_ms, v.eager_ms, v.compile_ms = med, base["eager_ms"], base["compile_ms"]
+    v.candidate_ms, v.eager_ms, v.compile_ms = cand_ms, base["eager_ms"], base["compile_ms"]
     if v.candidate_ms > 0:
         v.speedup_eager = v.eager_ms / v.candidate_ms
         v.speedup_compile = v.compile_ms / v.candidate_ms if v.compile_ms else None

@@ -16,8 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # the smallest config that still runs every stage for real (demos give RFT something with reward > 0)
 SMALL = dict(warmup_steps=2, batch_size=2, agent_batch_size=None, micro_batch_size=2, demo_fraction=0.5,
-             max_new_tokens=12,
-             env=dict(max_turns=3), rft_rollouts=2, rft_steps=2, rft_batch_size=2, value_pretrain_steps=3,
+             max_new_tokens=12, env=dict(max_turns=3), rft_rollouts=2, rft_steps=2, rft_batch_size=2, value_pretrain_steps=3,
              agent_steps=1, mixed_probe=1,
              ppo_epochs=1, num_minibatches=1)
 
