@@ -434,7 +434,8 @@ def _run_candidate(form, cand, wdir, jobdir, ref, plan, cfg, gpu, ws) -> tuple[C
                 seen["ops"] = list(msg.get("ops", []))
                 advance(control)
             elif t == "iter" and req.get("op") == "time":
-                seen["calls"].append({"ms": float(msg["ms"]), "span_ms": float(msg["span_ms"]),
+                seen["calls"].append({"ms": float(msg["ms"]), "launch_ms": float(msg.get("launch_ms", 0.0)),
+                                      "span_ms": float(msg["span_ms"]),
                                       "host_ms": (time.monotonic() - seen["sent_at"]) * 1e3, "kind": msg.get("kind")})
                 seen["sketch_seed"] = req["seed"]
                 advance(control, keys=ref["keys"][req["seed"]])  # the keys only now, after the call returned
@@ -544,6 +545,8 @@ def _timing(seen: dict, base: dict, v: Verdict, cfg: SandboxConfig, retime):
     cand_ms = min(rounds)
     v.timings.update({"cand_cv": statistics.pstdev(ms) / mean if mean > 0 else 0.0, "n_iters": len(ms),
                       "cand_rounds": [round(r, 5) for r in rounds], "cand_median_all": statistics.median(ms),
+                      # the host's part of a call (until forward returned); the rest is the wait for the device
+                      "cand_launch_ms": statistics.median(c.get("launch_ms", 0.0) for c in calls),
                       "host_span_ms": round(host_span, 3), "child_span_ms": round(child_span, 3)})
     # The child's clock must agree with the host's over the same spans (patched or overwritten timers), and the
     # timed calls must fit in those spans. The host's span of a call also holds two pipe hops and its reader
@@ -558,6 +561,7 @@ def _timing(seen: dict, base: dict, v: Verdict, cfg: SandboxConfig, retime):
         v.timings["baseline_retimed"] = True
     v.timings.update({"baseline": f"min of {len(base['eager_rounds'])} round medians over {base['runs']} run(s)",
                       "eager_spread": round(base.get("spread", 0.0), 4), "eager_cv": base.get("eager_cv"),
+                      "eager_launch_ms": base.get("eager_launch_ms"),
                       "compile_error": base.get("compile_error")})
     v.candidate_ms, v.eager_ms, v.compile_ms = cand_ms, base["eager_ms"], base["compile_ms"]
     if v.candidate_ms > 0:

@@ -156,6 +156,7 @@ class Timer:
 
     def __init__(self, task, device: str, seed: int):
         self.task, self.device, self.seed = task, device, seed
+        self.launch: list = []  # per timed call, ms until fn returned (the rest is the wait for the device)
 
     def run(self, fn, warmup: int, iters: int) -> list:
         import random
@@ -165,9 +166,11 @@ class Timer:
             scrub(self.device, _sync)
             t0 = _perf()
             out = fn(*xs)
+            t1 = _perf()
             _sync()
             if i >= warmup:
                 times.append((_perf() - t0) * 1e3)
+                self.launch.append((t1 - t0) * 1e3)
             sketch(flatten(out)[1], [rng.getrandbits(62) for _ in range(SKETCH_KEYS)])
             del out, xs
         return times
@@ -198,6 +201,8 @@ def time_baselines(task, model, job: dict) -> dict:
 
     Rounds alternate eager and compiled, so a burst of load on the machine inflates one round of each,
     not a whole baseline; the host takes the minimum over rounds (and over re-timings)."""
+    import statistics
+
     import torch
     device, seed = job["device"], job["timing_seed"]
     set_precision(job["precision"] == "tf32")
@@ -207,8 +212,10 @@ def time_baselines(task, model, job: dict) -> dict:
     compiled = None
     with torch.no_grad():
         for r in range(BASELINE_ROUNDS):
+            timer.launch = []
             st = stats(timer.run(model, job["warmup"] if r == 0 else 1, n))
             res["eager"].append(st["median_ms"])
+            res.setdefault("eager_launch", []).append(statistics.median(timer.launch))
             res["eager_cv"] = max(res["eager_cv"], st["cv"])
             if res["compile_error"]:
                 continue

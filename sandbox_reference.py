@@ -157,6 +157,9 @@ def baseline_entry(res: dict, precision: str, device: str, old: dict | None = No
             "compile_ms": min(comp) if comp else None, "compile_rounds": comp or [],
             "compile_error": b.get("compile_error"), "runs": old.get("runs", 0) + 1,
             "spread": (max(eager) - min(eager)) / min(eager) if min(eager) > 0 else 0.0,
+            # per round, the median host time until eager's forward returned (the rest: waiting for the device)
+            "eager_launch": old.get("eager_launch", []) + b.get("eager_launch", []),
+            "eager_launch_ms": min(old.get("eager_launch", []) + b.get("eager_launch", []), default=None),
             "precision": precision, "device": device, "timing": BASELINE_TIMING}
 
 

@@ -283,7 +283,9 @@ def _load_candidate(job: dict, task, guard_cls):
 
 
 def _forward(model, xs, guard_cls, device, clocks, timed: bool):
-    """One guarded forward: (output, ms or None, violation or None). Raises on candidate exceptions."""
+    """One guarded forward: (output, (ms, launch ms) or None, violation or None). Raises on candidate
+    exceptions. The launch part is the host's time until forward returned (Python, allocation, launches), the
+    rest the wait for the device: where a launch-bound call's time goes, reported beside the time."""
     import torch
     perf, sync = clocks
     scrub(device, sync)
@@ -293,8 +295,9 @@ def _forward(model, xs, guard_cls, device, clocks, timed: bool):
         with torch.no_grad(), guard:
             t0 = perf()
             out = model(*xs)
+            t1 = perf()
             sync()
-            ms = (perf() - t0) * 1e3 if timed else None
+            ms = ((perf() - t0) * 1e3, (t1 - t0) * 1e3) if timed else None
     except BaseException:
         if guard.bad:
             return None, None, f"aten op {guard.bad[0]} called inside forward (dispatch guard)"
@@ -417,7 +420,8 @@ def _serve(model, task, guard_cls, job, ch, clocks, snapshot) -> dict:
             trials += 1
             last_xs = xs
         else:
-            ch.send({"type": "iter", "ms": ms, "kind": kind, "span_ms": (clocks[0]() - t_req) * 1e3})
+            ch.send({"type": "iter", "ms": ms[0], "launch_ms": ms[1], "kind": kind,
+                     "span_ms": (clocks[0]() - t_req) * 1e3})
             reply = ch.recv_control(spin_s=0.01)  # keys drawn by the host after the call, and the next request
             ch.send({"type": "sketch", "sketch": sketch(ys, reply["keys"])})
         del out, ys

@@ -306,6 +306,9 @@ def main() -> int:
         res["cv_across_checks"] = statistics.pstdev(cands) / statistics.fmean(cands)
         res["cv_within_check_median"] = statistics.median(v.timings["cand_cv"] for v in verdicts)
         res["eager_ms"], res["compile_ms"], res["gpu"] = first.eager_ms, first.compile_ms, first.device
+        # the host's part of a timed call (until forward returned; the rest is the wait for the device)
+        res["cand_launch_ms"] = [v.timings.get("cand_launch_ms") for v in verdicts[: args.repeats]]
+        res["eager_launch_ms"] = first.timings.get("eager_launch_ms")
     li = res["load_inline_s"]
     print("\n| metric | value |\n|---|---|")
     print(f"| machine | {res['gpu']} ({args.device}, isolation {res['isolation']}) |")
