@@ -38,13 +38,20 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+def _as_from_a_terminal():
+    """A shell started in the background (`cmd &`, nohup, some CI runners) hands its children SIGINT ignored,
+    and an ignored SIGINT stays ignored in Python: such a `check` rightly cannot be Ctrl-C'd. Start it as
+    a terminal would, with SIGINT at its default."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_kills_sandbox_children_and_exits_130(tmp_path):
     sol = tmp_path / "slow.py"
     sol.write_text(SLOW)
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "cuda_agent.py"), "check",
                              os.path.join(FIX, "relu_task.py"), str(sol), "--sandbox.device", "cpu"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            env={**os.environ, "CUDA_AGENT_CACHE": str(tmp_path / "cache")})
+                            preexec_fn=_as_from_a_terminal, env={**os.environ, "CUDA_AGENT_CACHE": str(tmp_path / "cache")})
     # Wait until one sandbox child has lived 3 s: reference children come and go, the candidate stays
     # (it spins in ModelNew's __init__), so a snapshot taken between two children cannot pass for it.
     seen, kids, t_end = {}, [], time.time() + 400
