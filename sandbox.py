@@ -49,13 +49,16 @@ Threat model. COVERED:
     Reference children send one seed's outputs per message, so a child holds about one output on the host.
   * Timing: clocks and the torch functions of the checks bound before candidate import; a device-wide
     sync around every timed call; NaN-filled free memory and an L2 flush before each; the child's clock
-    must agree with the host's over the same spans. Baselines: eager and compiled in interleaved rounds,
-    the minimum round median kept (the candidate's timed calls likewise, in as many rounds), re-timed in a
-    new child before a speedup tier is awarded on a baseline from a single run (`Verdict.timings["baseline"]`,
-    `["baseline_retimed"]`).
+    must agree with the host's over the same spans; on cuda the baselines' and the candidate's timed calls
+    run on one calibrated core per GPU that other sandbox children keep off (`timing_core`; a candidate can
+    see its thread pinned there and gains nothing by it, every call being checked). Baselines: eager and
+    compiled in interleaved rounds, the minimum round median kept (the candidate's timed calls likewise, in
+    as many rounds), re-timed in a new child before a speedup tier is awarded on a baseline from a single
+    run (`Verdict.timings["baseline"]`, `["baseline_retimed"]`).
   * No state survives a check: one candidate per process (a warm spare is killed once its result is in,
-    and nothing is timed on its GPU until it has exited: `settle`), job dirs are deleted, the cache is hidden, and a load_inline source is built once by a child that sees no
-    input; checked runs get a private copy of that build dir.
+    and nothing is timed on its GPU until it has exited: `settle`), job dirs are deleted, the cache is
+    hidden, and a load_inline source is built once by a child that sees no input; checked runs get a
+    private copy of that build dir.
 NOT COVERED (known gaps):
   * Native code in the candidate's process can do anything that process can: read its memory (the current
     request's seed and inputs), unregister the guard, disable the profiler, forge result messages or
@@ -109,7 +112,7 @@ from sandbox_child import (HARNESS_DIR, Child, ChildResult, SandboxError, bwrap_
 from sandbox_reference import (BASELINE_TIMING, REF_SPARES, ref_spare, baseline_cache, baseline_entry,  # noqa: F401
                                baselines, device_name, precision_of, prewarm, reference_pool, retime, run_reference)
 from sandbox_rules import compare, sketch_close, static_scan
-from sandbox_spares import Spares, warm_spares  # noqa: F401
+from sandbox_spares import Spares, timing_core, warm_spares  # noqa: F401
 from workspace import TaskError, WorkspaceError, looks_like_path, python_error, read_file, read_task  # noqa: F401
 
 
@@ -162,8 +165,12 @@ class SandboxConfig:
     can use CUDA: a CUDA context there, ~0.5 GB; a 64 MB output compares in ms, not ~0.1-0.5 s) | "cpu" """
     warm_spares: int = -1
     """pre-started candidate children kept per device (torch imported, CUDA up, checks warmed); each serves
-    one candidate and is replaced in the background. 0 = start a child per check; -1 = 8 on cuda, 0 on cpu
+    one candidate and is replaced in the background. 0 = start a child per check; -1 = 12 on cuda, 0 on cpu
     (a spare's start-up would share the cores with a check being timed). Form (a) runs in a new child"""
+    timing_core: bool = True
+    """cuda: time every call (eager, compile, candidate) on one core per GPU, the fastest free core by a
+    calibration when the first check or pool starts, and keep the other sandbox children off it; off = the
+    timed calls run wherever the scheduler puts them. No effect on cpu or with fewer than 4 cores"""
 
 
 @dataclass
@@ -331,6 +338,7 @@ def _run_check(src: str, solution: str, cfg: SandboxConfig, v: Verdict, compile_
             key = f"{hashlib.sha256(src.encode()).hexdigest()}|{dev}|{v.precision}"
             base = baseline_cache(cfg, key) if cfg.profile else None
             base = base if base and base.get("timing") == BASELINE_TIMING else None  # older entries: re-timed
+            timing_core(cfg, gpu)  # reserved before the first child of this slot starts
             if warm_spares(cfg) > 0:  # spares start while the reference runs (first check)
                 _SPARES.fill(*_spare_kind(cfg, gpu, hidden_candidate(cfg, sol if form == "b" else None)))
             t_ref = time.perf_counter()
@@ -362,6 +370,8 @@ _SPARES = Spares()  # candidate children
 def start_spares(cfg: SandboxConfig, gpus: list) -> None:
     """Start every device slot's warm children now, in the background (candidate spares and a reference
     child), so that even the first check of a trainer or an evaluation finds them ready."""
+    for gpu in gpus:  # every slot's timing core is reserved before any child starts
+        timing_core(cfg, gpu)
     if warm_spares(cfg) > 0:
         for gpu in gpus:
             _SPARES.fill(*_spare_kind(cfg, gpu, hidden_candidate(cfg)))
@@ -396,7 +406,7 @@ def _run_candidate(form, cand, wdir, jobdir, ref, plan, cfg, gpu, ws) -> tuple[C
     job = {"kind": "candidate", "task_path": os.path.join(wdir, "task.py"), "cand_path": cand, "cand_dir": wdir,
            "device": cfg.device, "init_seed": cfg.seed, "kernels": kernels,
            "state_dict_path": os.path.join(wdir, "state_dict.pt"), "precision": precision_of(cfg),
-           "ext_dir": os.path.join(wdir, "ext") if form == "a" else None}
+           "ext_dir": os.path.join(wdir, "ext") if form == "a" else None, "timing_core": timing_core(cfg, gpu)}
     seen = {"trials": [], "ops": None, "calls": [], "bad": None, "i": 0, "sent_at": 0.0, "warm_child": warm}
     out_bytes = sum(t.numel() * t.element_size() for t in next(iter(ref["outputs"].values())))
 
@@ -411,6 +421,7 @@ def _run_candidate(form, cand, wdir, jobdir, ref, plan, cfg, gpu, ws) -> tuple[C
         if req["op"] == "time" and not seen.get("settled"):  # the previous job's child has left the device
             settle(gpu)
             seen["settled"] = True
+            seen["spares_starting"] = _SPARES.starting() + REF_SPARES.starting()  # start-ups beside the timing
         seen["i"] += 1
         seen["req"] = req
         send(control, {**extra, "next": req} if extra else req)
@@ -435,6 +446,7 @@ def _run_candidate(form, cand, wdir, jobdir, ref, plan, cfg, gpu, ws) -> tuple[C
                 advance(control)
             elif t == "iter" and req.get("op") == "time":
                 seen["calls"].append({"ms": float(msg["ms"]), "launch_ms": float(msg.get("launch_ms", 0.0)),
+                                      "cpu": int(msg.get("cpu", -1)),
                                       "span_ms": float(msg["span_ms"]),
                                       "host_ms": (time.monotonic() - seen["sent_at"]) * 1e3, "kind": msg.get("kind")})
                 seen["sketch_seed"] = req["seed"]
@@ -494,6 +506,7 @@ def _judge(r: ChildResult, seen: dict, ref: dict, cfg, v: Verdict, form: str):
     err = "\n".join(ln for ln in r.stderr.splitlines() if not ln.startswith("USDT:"))  # profiler noise
     v.timings["candidate_phases"] = r.phases()  # e.g. verify_at_s: torch import + CUDA init + candidate load
     v.timings["warm_child"] = seen.get("warm_child", False)  # a spare started before this check
+    v.timings["spares_starting"] = seen.get("spares_starting")  # children starting when the timed calls began
     v.timings["log"] = (err[-1500:] + ("\n[stdout]\n" + r.stdout[-500:] if r.stdout.strip() else "")).strip()
     v.trials = seen["trials"]
     if r.result is None:
@@ -547,6 +560,7 @@ def _timing(seen: dict, base: dict, v: Verdict, cfg: SandboxConfig, retime):
                       "cand_rounds": [round(r, 5) for r in rounds], "cand_median_all": statistics.median(ms),
                       # the host's part of a call (until forward returned); the rest is the wait for the device
                       "cand_launch_ms": statistics.median(c.get("launch_ms", 0.0) for c in calls),
+                      "cand_cpus": sorted({c.get("cpu", -1) for c in calls}),  # the cores its calls ran on
                       "host_span_ms": round(host_span, 3), "child_span_ms": round(child_span, 3)})
     # The child's clock must agree with the host's over the same spans (patched or overwritten timers), and the
     # timed calls must fit in those spans. The host's span of a call also holds two pipe hops and its reader

@@ -15,7 +15,8 @@ Departures from the paper
      MoE of the same family (3B active of 30B, agentic coding, 256k context).
   3. The tiny preset (default) starts from a random ~1.5M-parameter Qwen3-MoE that cannot write a kernel, so
      it mixes shipped demonstrations (data/demos, `--demo-fraction`) into stage-1/2 batches, replayed
-     through the same env and flagged `source: demo`. After RFT on them it writes the kernels of its four
+     through the same env and flagged `source: demo`. After RFT on them (SFT until every task's kept trajectory
+     has probability >= --rft-target under the actor) it writes the kernels of its four
      tasks (data/tasks_tiny4.jsonl) itself in stage 4: its tokenizer, trained on data/, spells a
      demonstration in ~50 tokens. Its stage 4 trains on the tasks a 4-episode probe of the RFT actor passes
      sometimes but not always (--mixed-probe, `agent_tasks`). The paper preset has no demos and no probe.
@@ -432,22 +433,51 @@ def rft_stage(run: Run, start: int) -> None:
     # data parallel: the filter keeps different counts on different ranks, so every rank pools all ranks'
     # kept trajectories and each step deals out one global batch round-robin (a pool smaller than the
     # number of ranks is sampled with replacement, so that every rank has a row)
-    kept = all_ranks([x for x in (rft_sample(t, cfg) for t in trajs) if x is not None])
+    kept = all_ranks([(*x, t.task) for t, x in ((t, rft_sample(t, cfg)) for t in trajs) if x is not None])
     if not kept and cfg.rft_steps > 0:
         print("[ppo] RFT: no trajectory passed the filter (reward > 0, no loops/invalid calls): SFT skipped")
         return
     for step in range(start, cfg.rft_steps + 1):
         t1 = time.time()
+        repro = reproduction(run, kept) if cfg.rft_target is not None else {}
+        # every kept task within reach: stop here (rank 0 decides, so that no rank waits in a collective alone)
+        if repro and all_ranks([min(repro.values()) >= cfg.rft_target])[0]:
+            run.logger.write(f"[ppo] RFT: every kept task's trajectory has p >= {cfg.rft_target} (--rft-target; "
+                             f"min {min(repro.values()):.2f}) after {step - 1} SFT steps")
+            checkpoint(run, 2, step, force=True)
+            return
         rng = random.Random(cfg.seed * 1_000_003 + step)  # the same global batch on every rank
         n = max(min(len(kept), cfg.rft_batch_size), world)
         batch = rng.sample(kept, n) if n <= len(kept) else rng.choices(kept, k=n)
         local = batch[rank::world]
-        b_ids, b_attn, b_mask, _ = ppo.collate([i for i, _ in local], [m for _, m in local], None, run.pad_id,
+        b_ids, b_attn, b_mask, _ = ppo.collate([x[0] for x in local], [x[1] for x in local], None, run.pad_id,
                                                run.device)
         st = ppo.sft_update(run.model, run.opt["actor"], cfg, b_ids, b_attn, b_mask, n_global=n)
-        st.update(n_kept=len(kept), train_tok_s=sum(len(i) for i, _ in local) / max(time.time() - t1, 1e-9))
+        st.update(n_kept=len(kept), train_tok_s=sum(len(x[0]) for x in local) / max(time.time() - t1, 1e-9))
+        if repro:
+            st["rft_repro_min"] = min(repro.values())
         run.logger.log(2, step, gather_mean(st))
         checkpoint(run, 2, step + 1, force=step == cfg.rft_steps)
+    if cfg.rft_target is not None:
+        run.logger.write(f"[ppo] RFT: --rft-steps {cfg.rft_steps} reached before --rft-target {cfg.rft_target}")
+
+
+@torch.no_grad()
+def reproduction(run: Run, kept: list) -> dict[str, float]:
+    """Per kept task, the probability that the actor samples the action tokens of its likeliest kept
+    trajectory, given that trajectory's observations: exp(sum of log pi over its mask) at the sampling
+    temperature; how closely SFT has fitted the task, what --rft-target stops stage 2 on (a rollout sees other
+    observations, so this is not its pass rate). kept: (ids, mask, task name), the same on every rank."""
+    logp: dict[str, float] = {}
+    for i in range(0, len(kept), run.cfg.micro_batch_size):
+        rows = kept[i:i + run.cfg.micro_batch_size]
+        b_ids, b_attn, b_mask, _ = ppo.collate([x[0] for x in rows], [x[1] for x in rows], None, run.pad_id,
+                                               run.device)
+        run.model.eval()
+        lp, _ = ppo.actor_logprobs(run.model, b_ids, b_attn, run.cfg.temperature, mask=b_mask)
+        for (_, _, name), s in zip(rows, (lp * b_mask).sum(-1).tolist()):
+            logp[name] = max(logp.get(name, -float("inf")), s)
+    return {k: float(np.exp(v)) for k, v in logp.items()}
 
 
 def rft_sample(t: tasks_mod.Trajectory, cfg: TrainConfig) -> tuple[list[int], list[int]] | None:
@@ -554,7 +584,9 @@ def train(cfg: TrainConfig) -> int:
             if ck and s == stage and step0 > 0:
                 for k, o in run.opt.items():
                     o.load_state_dict(ck["opt"][k])
-            print(f"[ppo] ==== stage {s}) {STAGES[s]}: {n_steps[s]} steps (from {step0}) ====", flush=True)
+            upto = f"up to {n_steps[s]} steps, until --rft-target {cfg.rft_target}" if s == 2 and cfg.rft_target \
+                else f"{n_steps[s]} steps"
+            print(f"[ppo] ==== stage {s}) {STAGES[s]}: {upto} (from {step0}) ====", flush=True)
             # bar length in logged rows: stage 2 logs its collection as step 0 (also run when only stage 3
             # needs the trajectories), then SFT steps 1..rft_steps
             n_rows = {2: cfg.rft_steps + 1 if cfg.rft_steps > 0 or cfg.value_pretrain_steps > 0 else 0}

@@ -117,10 +117,14 @@ class TrainConfig:
     """stage 1: single-turn PPO warm-up steps"""
     rft_rollouts: int = 16
     """stage 2: agent trajectories collected with the warm-up policy (before filtering)"""
-    rft_steps: int = 65
-    """stage 2: SFT steps on the filtered trajectories; 0 = no RFT (ablation). Tiny: 65, an actor that passes a
-    task in some of its samples and not others, so that stage 4 has room to learn (after 80 steps it passes
-    the tasks it learned in ~3 of 4 samples, after 50 in ~1 of 10: docs/RESULTS.md §1)"""
+    rft_steps: int = 200
+    """stage 2: SFT steps on the filtered trajectories (with --rft-target: at most); 0 = no RFT (ablation)"""
+    rft_target: float | None = 0.2
+    """stage 2: stop SFT once the actor samples the action tokens of every kept task's likeliest kept
+    trajectory with at least this probability (`train.reproduction`, one forward over the kept pool per
+    step); none = exactly --rft-steps (paper preset). Ours, for the tiny preset: a fixed 65 steps left one run's
+    actor passing 0 of 16 probe episodes and another's 10 of 16; at 0.2 SFT took 68-79 steps and stage 4
+    passed 3-4 of 8 episodes in its first step (docs/RESULTS.md §1)"""
     rft_batch_size: int = 2
     """stage 2: trajectories per SFT step"""
     rft_drop_truncated: bool = False
@@ -174,7 +178,7 @@ PRESETS = {
         lr_actor=3e-5, lr_rft=None, lr_critic=6e-5, lr_head=1e-4, kl_coef=0.0,  # ours: ~10x the paper's rates
         batch_size=1024, agent_batch_size=None, micro_batch_size=1,
         ppo_epochs=1, num_minibatches=1,     # "one update per batch"
-        lam=0.95, warmup_steps=50, rft_rollouts=1024, rft_steps=200, rft_batch_size=64,  # ours (not stated)
+        lam=0.95, warmup_steps=50, rft_rollouts=1024, rft_steps=200, rft_target=None, rft_batch_size=64,  # ours
         value_pretrain_steps=50, agent_steps=150, checkpoint_every=1, sample_every=10, kv_budget_gib=40.0,
         rollout_experts="fused",             # ours: the Triton decode experts (docs/RESULTS.md §3)
         mixed_probe=0),                      # the paper trains on all its tasks

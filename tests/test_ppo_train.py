@@ -4,6 +4,7 @@ and no finished step is lost Also: the run directory holds every promised file.
 Run: python -m pytest -q tests/test_ppo_train.py -x   (about 2-4 minutes on the 2-core box; marked slow)
 """
 import json
+import math
 import os
 import signal
 import subprocess
@@ -258,3 +259,42 @@ def test_mixed_tasks_keeps_the_tasks_passed_sometimes(tmp_path):
     lines = runlog.summary(str(tmp_path)).splitlines()
     assert lines[-2].startswith("stage 4 trained on 2 of 4 tasks") and "c 1/4*" in lines[-2] and "a 4/4," in lines[-2]
     assert lines[-1].endswith("c 0/2 -> 2/2, d 1/2 -> 1/2")
+
+
+def test_reproduction_is_the_probability_of_sampling_the_kept_action_tokens(tmp_path):
+    """train.reproduction (what --rft-target stops stage 2 on) against a plain forward: per task, the largest
+    over its kept trajectories of exp(sum over the mask of log softmax(logits / T)[next token])."""
+    import dataclasses
+    import types
+
+    import torch
+    sys.path.insert(0, ROOT)
+    import train
+    import train_config
+    cfg = dataclasses.replace(train_config.PRESETS["tiny"], out=str(tmp_path), micro_batch_size=2, temperature=0.7)
+    model, head, tok = train.build_models(cfg, torch.device("cpu"))
+    with torch.no_grad():  # an actor that is not the identity adapter
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn_like(p))
+    g = torch.Generator().manual_seed(0)
+    kept = []
+    for name, n in (("a", 9), ("a", 14), ("b", 11)):
+        ids = torch.randint(5, 200, (n,), generator=g).tolist()
+        mask = [0] * 3 + [1] * (n - 6) + [0] * 2 + [1]   # observations inside, a policy token last
+        kept.append((ids, mask, name))
+    run = types.SimpleNamespace(cfg=cfg, model=model, pad_id=tok.pad_token_id or 0, device=torch.device("cpu"))
+    got = train.reproduction(run, kept)
+
+    want = {}
+    model.set_adapter("actor")
+    model.eval()
+    with torch.no_grad():
+        for ids, mask, name in kept:
+            logits = model(input_ids=torch.tensor([ids])).logits[0].float() / cfg.temperature
+            lp = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+            s = float((lp * torch.tensor(mask[1:], dtype=torch.float32)).sum())
+            want[name] = max(want.get(name, -float("inf")), s)
+    assert set(got) == {"a", "b"}
+    for k in want:
+        assert abs(math.log(got[k]) - want[k]) < 1e-4, (k, got[k], want[k])
