@@ -49,12 +49,10 @@ Threat model. COVERED:
     Reference children send one seed's outputs per message, so a child holds about one output on the host.
   * Timing: clocks and the torch functions of the checks bound before candidate import; a device-wide
     sync around every timed call; NaN-filled free memory and an L2 flush before each; the child's clock
-    must agree with the host's over the same spans; on cuda the baselines' and the candidate's timed calls
-    run on one calibrated core per GPU that other sandbox children keep off (`timing_core`; a candidate can
-    see its thread pinned there and gains nothing by it, every call being checked). Baselines: eager and
-    compiled in interleaved rounds, the minimum round median kept (the candidate's timed calls likewise, in
-    as many rounds), re-timed in a new child before a speedup tier is awarded on a baseline from a single
-    run (`Verdict.timings["baseline"]`, `["baseline_retimed"]`).
+    must agree with the host's over the same spans. Baselines: eager and compiled in interleaved rounds,
+    the minimum round median kept (the candidate's timed calls likewise, in as many rounds), re-timed in a
+    new child before a speedup tier is awarded on a baseline from a single run (`Verdict.timings["baseline"]`,
+    `["baseline_retimed"]`).
   * No state survives a check: one candidate per process (a warm spare is killed once its result is in,
     and nothing is timed on its GPU until it has exited: `settle`), job dirs are deleted, the cache is
     hidden, and a load_inline source is built once by a child that sees no input; checked runs get a
@@ -112,7 +110,7 @@ from sandbox_child import (HARNESS_DIR, Child, ChildResult, SandboxError, bwrap_
 from sandbox_reference import (BASELINE_TIMING, REF_SPARES, ref_spare, baseline_cache, baseline_entry,  # noqa: F401
                                baselines, device_name, precision_of, prewarm, reference_pool, retime, run_reference)
 from sandbox_rules import compare, sketch_close, static_scan
-from sandbox_spares import Spares, timing_core, warm_spares  # noqa: F401
+from sandbox_spares import Spares, warm_spares  # noqa: F401
 from workspace import TaskError, WorkspaceError, looks_like_path, python_error, read_file, read_task  # noqa: F401
 
 
@@ -167,10 +165,6 @@ class SandboxConfig:
     """pre-started candidate children kept per device (torch imported, CUDA up, checks warmed); each serves
     one candidate and is replaced in the background. 0 = start a child per check; -1 = 12 on cuda, 0 on cpu
     (a spare's start-up would share the cores with a check being timed). Form (a) runs in a new child"""
-    timing_core: bool = True
-    """cuda: time every call (eager, compile, candidate) on one core per GPU, the fastest free core by a
-    calibration when the first check or pool starts, and keep the other sandbox children off it; off = the
-    timed calls run wherever the scheduler puts them. No effect on cpu or with fewer than 4 cores"""
 
 
 @dataclass
@@ -338,7 +332,6 @@ def _run_check(src: str, solution: str, cfg: SandboxConfig, v: Verdict, compile_
             key = f"{hashlib.sha256(src.encode()).hexdigest()}|{dev}|{v.precision}"
             base = baseline_cache(cfg, key) if cfg.profile else None
             base = base if base and base.get("timing") == BASELINE_TIMING else None  # older entries: re-timed
-            timing_core(cfg, gpu)  # reserved before the first child of this slot starts
             if warm_spares(cfg) > 0:  # spares start while the reference runs (first check)
                 _SPARES.fill(*_spare_kind(cfg, gpu, hidden_candidate(cfg, sol if form == "b" else None)))
             t_ref = time.perf_counter()
@@ -370,8 +363,6 @@ _SPARES = Spares()  # candidate children
 def start_spares(cfg: SandboxConfig, gpus: list) -> None:
     """Start every device slot's warm children now, in the background (candidate spares and a reference
     child), so that even the first check of a trainer or an evaluation finds them ready."""
-    for gpu in gpus:  # every slot's timing core is reserved before any child starts
-        timing_core(cfg, gpu)
     if warm_spares(cfg) > 0:
         for gpu in gpus:
             _SPARES.fill(*_spare_kind(cfg, gpu, hidden_candidate(cfg)))
@@ -406,7 +397,7 @@ def _run_candidate(form, cand, wdir, jobdir, ref, plan, cfg, gpu, ws) -> tuple[C
     job = {"kind": "candidate", "task_path": os.path.join(wdir, "task.py"), "cand_path": cand, "cand_dir": wdir,
            "device": cfg.device, "init_seed": cfg.seed, "kernels": kernels,
            "state_dict_path": os.path.join(wdir, "state_dict.pt"), "precision": precision_of(cfg),
-           "ext_dir": os.path.join(wdir, "ext") if form == "a" else None, "timing_core": timing_core(cfg, gpu)}
+           "ext_dir": os.path.join(wdir, "ext") if form == "a" else None}
     seen = {"trials": [], "ops": None, "calls": [], "bad": None, "i": 0, "sent_at": 0.0, "warm_child": warm}
     out_bytes = sum(t.numel() * t.element_size() for t in next(iter(ref["outputs"].values())))
 

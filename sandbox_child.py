@@ -328,16 +328,10 @@ def _user_threads() -> int:
     return n
 
 
-RESERVED_CORES: set = set()  # cores kept for timed calls (sandbox_spares.timing_core); cuda children run off them
-
-
-def _limits(cpu_as_mb: int | None, off_cores: set | None = None):
+def _limits(cpu_as_mb: int | None):
     nproc = _user_threads() + 2048 if os.getuid() != 0 else None  # fork bombs (root ignores NPROC)
-    rest = os.sched_getaffinity(0) - off_cores if off_cores else None
 
     def apply():
-        if rest:  # the timing cores are left to the timed calls (timing_core)
-            os.sched_setaffinity(0, rest)
         if nproc:
             resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
@@ -432,8 +426,7 @@ class Child:
             self.proc = subprocess.Popen(full, stdin=subprocess.DEVNULL, stdout=self.out_f, stderr=self.err_f,
                                          env=child_env, cwd=self.wdir, pass_fds=(wfd, crfd, self.shm_fd),
                                          start_new_session=True,
-                                         preexec_fn=_limits(mem_limit_mb + 4096 if device == "cpu" else None,
-                                                            set(RESERVED_CORES) if device == "cuda" else None))
+                                         preexec_fn=_limits(mem_limit_mb + 4096 if device == "cpu" else None))
         finally:
             os.close(wfd)
             os.close(crfd)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import sandbox_measure
 from sandbox_child import Child, isolation, new_jobdir, run_child, settle, visible_devices
-from sandbox_spares import Spares, timing_core, warm_spares
+from sandbox_spares import Spares, warm_spares
 from workspace import TaskError, read_task
 
 if TYPE_CHECKING:
@@ -118,7 +118,7 @@ def run_reference(task_src: str, cfg: SandboxConfig, seeds: list[int], want_base
                "seeds": seeds, "sketch_seeds": {str(s): k for s, k in (sketch_seeds or {}).items()},
                "timing_seed": secrets.randbelow(2**31), "init_seed": cfg.seed,
                "baselines": want_baselines, "precision": precision_of(cfg),
-               "warmup": cfg.warmup, "iters": cfg.iters, "warm": warm, "timing_core": timing_core(cfg, gpu)}
+               "warmup": cfg.warmup, "iters": cfg.iters, "warm": warm}
         env = _inductor_env(inductor)
         outputs: dict = {}
 

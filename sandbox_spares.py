@@ -8,15 +8,10 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures as cf
-import ctypes
-import os
-import random
 import shutil
-import statistics
 import threading
-import time
 
-from sandbox_child import RESERVED_CORES, Child
+from sandbox_child import Child
 
 
 def warm_spares(cfg) -> int:
@@ -121,48 +116,3 @@ class Spares:
             self._ready.clear()
         for c in children:
             self._discard(c)
-
-
-# ----------------------------------------------------------------------------- the timing core per GPU slot
-_TIMING_CORES: dict = {}  # GPU slot -> the core its timed calls run on (timing_core)
-_TIMING_LOCK = threading.Lock()
-
-
-def timing_core(cfg, gpu: int | None) -> int | None:
-    """The core on which this GPU slot's timed calls run, eager, compile and candidate alike, or None (cpu,
-    `cfg.timing_core` off, or no core to spare: at most half of this process's cores are reserved, and 3
-    stay free). Chosen once per slot and process: the fastest free core by `_core_speeds`, since on a
-    shared host some cores run the same Python 1.8x slower than the rest (docs/RESULTS.md), and a candidate
-    timed on such a core against a baseline timed on another is not timed like for like. Every cuda child
-    started afterwards runs everything else on the other cores (sandbox_child.RESERVED_CORES)."""
-    if cfg.device != "cuda" or not cfg.timing_core:
-        return None
-    with _TIMING_LOCK:
-        if gpu not in _TIMING_CORES:
-            cores = os.sched_getaffinity(0)
-            free = sorted(cores - RESERVED_CORES)
-            speeds = _core_speeds(free) if len(free) - 1 >= max(3, len(cores) // 2) else {}
-            _TIMING_CORES[gpu] = min(speeds, key=speeds.get) if speeds else None
-            RESERVED_CORES.update({_TIMING_CORES[gpu]} - {None})
-        return _TIMING_CORES[gpu]
-
-
-def _core_speeds(cores: list[int], passes: int = 3, iters: int = 300) -> dict[int, float]:
-    """Median seconds of a launch path's host work (a ctypes pointer, a C call, a dict store) on each core, this
-    thread pinned to it in turn, in `passes` shuffled passes (~30 ms on 16 cores); the pass median per core."""
-    libc, before, perf, d = ctypes.CDLL(None), os.sched_getaffinity(0), time.perf_counter, {}
-    out = {c: [] for c in cores}
-    try:
-        for _ in range(passes):
-            for c in random.sample(cores, len(cores)):
-                os.sched_setaffinity(0, {c})  # this thread only
-                ts = []
-                for i in range(iters):
-                    t0 = perf()
-                    d[i & 7] = ctypes.c_void_p(i)
-                    libc.getpid()
-                    ts.append(perf() - t0)
-                out[c].append(statistics.median(ts))
-    finally:
-        os.sched_setaffinity(0, before)
-    return {c: statistics.median(v) for c, v in out.items()}

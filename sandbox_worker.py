@@ -170,9 +170,7 @@ def run_reference(job: dict, ch: Channel):
            "device_name": name}
     if job.get("baselines"):
         ch.send({"type": "stage", "stage": "timing"})  # (timestamped by the host: where a first check's time goes)
-        before = _pin(job.get("timing_core"))  # the core a candidate's timed calls will run on too
         res["baselines"] = time_baselines(task, model, job)
-        _pin(before)
         phase_s["baselines"] = _perf() - t0
     res["phase_s"] = {k: round(v, 3) for k, v in phase_s.items()}
     ch.send(res)
@@ -238,18 +236,6 @@ def _new_threads(base: set) -> set:
         _sleep(0.02)
         grown = _native_threads() - base
     return grown
-
-
-def _pin(cores) -> set | None:
-    """Run this thread on `cores` (a core number or a set; None: leave it); returns the set it ran on before."""
-    if cores is None:
-        return None
-    before = os.sched_getaffinity(0)
-    try:
-        os.sched_setaffinity(0, {cores} if isinstance(cores, int) else cores)
-    except OSError:  # the core is not in this process's cpuset: time where the scheduler puts it
-        return None
-    return before
 
 
 def _getcpu() -> int:
@@ -392,12 +378,10 @@ def _serve(model, task, guard_cls, job, ch, clocks, snapshot) -> dict:
     keys and the next request come in one line (one pipe round trip per timed call, not two): the next
     seed arrives only once the call it follows has returned."""
     import torch
-    device, threads0, last_xs, trials, pinned = job["device"], None, None, 0, None
+    device, threads0, last_xs, trials = job["device"], None, None, 0
     req = ch.recv_control()
     while req["op"] != "done":
         t_req = clocks[0]()  # the child's span of this request, cross-checked against the host's wall clock
-        if req["op"] == "time" and pinned is None:  # the timed calls run on the baselines' core
-            pinned = _pin(job.get("timing_core")) or True
         xs = make_inputs(task, int(req["seed"]), device) if req["op"] in ("trial", "time") else last_xs
         if req["op"] == "ops":  # layer 2: the profiler's record of aten ops, without the dispatch guard
             grown = _new_threads(threads0) if threads0 is not None else set()

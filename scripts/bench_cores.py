@@ -1,8 +1,9 @@
 """Host time of a launch-bound forward's Python path on each CPU core, one process migrating core to core.
 
-A candidate's `forward` (allocation, two data pointers, a ctypes call) and eager's (one torch op) are timed
-pinned to each core in turn (os.sched_setaffinity), in several passes in shuffled core order: a core that is
-slower in every pass is slower for whatever runs on it, in a fresh process too.
+A candidate's `forward` path (allocation, two data pointers, a C call through ctypes) and eager's (one torch op)
+are timed pinned to each core in turn (os.sched_setaffinity), in several passes in shuffled core order: a
+core slow in every pass is a slow core; every core slow in some passes and fast in others is a host whose
+speed changes over time (docs/RESULTS.md §2 saw both).
 
     python3 scripts/bench_cores.py [--device cuda] [--passes 3] [--iters 2000]
 """

@@ -229,8 +229,6 @@ def main() -> int:
                         "(cuda only); heavy: 128 sines per element (cuda only), >= 1 ms")
     p.add_argument("--form", default="b", choices=["a", "b"],
                    help="b: the workspace (kernels/*.cu through ctypes); a: one file with load_inline (see above)")
-    p.add_argument("--timing-core", default="on", choices=["on", "off"],
-                   help="SandboxConfig.timing_core: timed calls on one calibrated core per GPU (on) or anywhere")
     p.add_argument("--compare-on", default="auto", choices=["auto", "cpu"], help="SandboxConfig.compare_on")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_sandbox.json"))
     args = p.parse_args()
@@ -238,11 +236,10 @@ def main() -> int:
     res = {"device": args.device, "isolation": sandbox.isolation(), "shape": [rows, cols], "kernel": args.kernel,
            "warm_spares": args.warm_spares, "form": args.form}
     assert args.kernel == "relu" or args.device == "cuda", f"--kernel {args.kernel} needs --device cuda"
-    res["compare_on"], res["timing_core"] = args.compare_on, args.timing_core
+    res["compare_on"] = args.compare_on
     with tempfile.TemporaryDirectory() as root:
         cfg = sandbox.SandboxConfig(device=args.device, cache_dir=os.path.join(root, "cache"), iters=args.iters,
-                                    warmup=10, warm_spares=args.warm_spares, compare_on=args.compare_on,
-                                    timing_core=args.timing_core == "on")
+                                    warmup=10, warm_spares=args.warm_spares, compare_on=args.compare_on)
         ws = make_ws(root, args.device, args.kernel)
         sol = ws if args.form == "b" else inline_solution(args.device)  # what every check below checks
         # (1) rebuild after a one-kernel edit vs load_inline
@@ -313,8 +310,8 @@ def main() -> int:
         res["cand_launch_ms"] = [v.timings.get("cand_launch_ms") for v in verdicts[: args.repeats]]
         res["eager_launch_ms"] = first.timings.get("eager_launch_ms")
         # every check of the timed series: its time, its forward's host part, and the children starting beside it
-        res["per_check"] = [{k: v.timings.get(k) for k in ("spares_starting", "cand_launch_ms", "warm_child", "cand_cpus")} |
-                            {"ms": v.candidate_ms} for v in verdicts]
+        keys = ("spares_starting", "cand_launch_ms", "warm_child", "cand_cpus")
+        res["per_check"] = [{k: v.timings.get(k) for k in keys} | {"ms": v.candidate_ms} for v in verdicts]
     li = res["load_inline_s"]
     print("\n| metric | value |\n|---|---|")
     print(f"| machine | {res['gpu']} ({args.device}, isolation {res['isolation']}) |")

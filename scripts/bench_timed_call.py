@@ -5,7 +5,7 @@ ctypes, interleaved in blocks, each condition in a fresh process:
 
   plain     the two as plain functions
   module    as nn.Module forwards under no_grad (as both children call them)
-  profiler  module, after one CPU-only torch.profiler session in the process (a candidate child lists its
+  profiler  module, after one CPU-only torch.profiler run in the process (a candidate child lists its
             aten ops under the profiler before its timed calls; the reference child does not)
   guard     module, the float4 calls inside the dispatch guard (as a candidate's calls are; eager's are not)
   guardlib  module, the guard's library loaded and sealed in the process but never switched on

@@ -17,7 +17,6 @@ import pytest
 import reward
 import sandbox
 import sandbox_child
-import sandbox_spares
 from sandbox import SandboxConfig, TaskError, check, compare, load_task, static_scan
 
 FIX = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "sandbox")
@@ -606,31 +605,3 @@ def test_prewarm_fills_inductor_cache_only(tmp_path):
     assert not (tmp_path / "cache" / "baselines.json").exists()
     sandbox.baseline_cache(c, f"{h}|cpu|{sandbox.precision_of(c)}", {"eager_ms": 1.0, "timing": sandbox.BASELINE_TIMING})
     assert sandbox.prewarm([SOFTMAX_TASK], c) == {}
-
-
-def test_timing_core_is_a_calibrated_core_kept_off_by_other_children(monkeypatch):
-    """cuda: one core per GPU slot, the fastest by `_core_speeds` (here faked: 8 cores, core 5 fastest, then 2),
-    distinct per slot and stable, at most half of the cores; children started afterwards run on the other
-    cores; cpu or the flag off: none."""
-    cores = sorted(os.sched_getaffinity(0))
-    speeds = sandbox_spares._core_speeds(cores, passes=1, iters=50)  # the real calibration, on this machine
-    assert set(speeds) == set(cores) and all(v > 0 for v in speeds.values())
-    monkeypatch.setattr(sandbox_spares, "_TIMING_CORES", {})
-    monkeypatch.setattr(sandbox_child, "RESERVED_CORES", set())
-    monkeypatch.setattr(sandbox_spares, "RESERVED_CORES", sandbox_child.RESERVED_CORES)
-    fake = {0: 3e-6, 1: 2e-6, 2: 1.1e-6, 3: 2e-6, 4: 2e-6, 5: 1e-6, 6: 3.4e-6, 7: 2e-6}
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(fake))
-    monkeypatch.setattr(sandbox_spares, "_core_speeds", lambda free: {c: fake[c] for c in free})
-    assert sandbox_spares.timing_core(SandboxConfig(device="cpu"), 0) is None
-    assert sandbox_spares.timing_core(SandboxConfig(device="cuda", timing_core=False), 0) is None
-    cuda = SandboxConfig(device="cuda")
-    assert sandbox_spares.timing_core(cuda, 0) == 5 and sandbox_spares.timing_core(cuda, 1) == 2
-    assert sandbox_spares.timing_core(cuda, 0) == 5 and sandbox_child.RESERVED_CORES == {5, 2}
-    rest = []
-    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, s: rest.append(set(s)))
-    monkeypatch.setattr(sandbox_child.resource, "setrlimit", lambda *a: None)  # not on this test process
-    sandbox_child._limits(None, set(sandbox_child.RESERVED_CORES))()  # what a cuda child runs before exec
-    assert rest == [set(fake) - {5, 2}]
-    for slot in (2, 3):  # at most half of the 8 cores
-        assert sandbox_spares.timing_core(cuda, slot) in {1, 3, 4, 7}
-    assert sandbox_spares.timing_core(cuda, 4) is None and len(sandbox_child.RESERVED_CORES) == 4
