@@ -238,12 +238,12 @@ def _new_threads(base: set) -> set:
     return grown
 
 
+_LIBC = ctypes.CDLL(None)
+
+
 def _getcpu() -> int:
     """The core this thread runs on now (after a timed call: which core its host part ran on)."""
     return _LIBC.sched_getcpu()
-
-
-_LIBC = ctypes.CDLL(None)
 
 
 def _native_threads() -> set:

@@ -438,7 +438,6 @@ def rft_stage(run: Run, start: int) -> None:
         print("[ppo] RFT: no trajectory passed the filter (reward > 0, no loops/invalid calls): SFT skipped")
         return
     for step in range(start, cfg.rft_steps + 1):
-        t1 = time.time()
         repro = reproduction(run, kept) if cfg.rft_target is not None else {}
         # every kept task within reach: stop here (rank 0 decides, so that no rank waits in a collective alone)
         if repro and all_ranks([min(repro.values()) >= cfg.rft_target])[0]:
@@ -446,6 +445,7 @@ def rft_stage(run: Run, start: int) -> None:
                              f"min {min(repro.values()):.2f}) after {step - 1} SFT steps")
             checkpoint(run, 2, step, force=True)
             return
+        t1 = time.time()
         rng = random.Random(cfg.seed * 1_000_003 + step)  # the same global batch on every rank
         n = max(min(len(kept), cfg.rft_batch_size), world)
         batch = rng.sample(kept, n) if n <= len(kept) else rng.choices(kept, k=n)
