@@ -123,7 +123,7 @@ class TrainConfig:
     """stage 2: stop SFT once the actor samples the action tokens of every kept task's likeliest kept
     trajectory with at least this probability (`train.reproduction`, one forward over the kept pool per
     step); none = exactly --rft-steps (paper preset). Ours, for the tiny preset: a fixed 65 steps left one run's
-    actor passing 0 of 16 probe episodes and another's 10 of 16; at 0.2 SFT took 68-79 steps and stage 4
+    actor passing 0 of 16 probe episodes and another's 10 of 16; at 0.2 SFT took 68-81 steps and stage 4
     passed 3-5 of 8 episodes in its first step (docs/RESULTS.md §1)"""
     rft_batch_size: int = 2
     """stage 2: trajectories per SFT step"""
