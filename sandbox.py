@@ -52,7 +52,8 @@ Threat model. COVERED:
     must agree with the host's over the same spans. Baselines: eager and compiled in interleaved rounds,
     the minimum round median kept (the candidate's timed calls likewise, in as many rounds), re-timed in a
     new child before a speedup tier is awarded on a baseline from a single run (`Verdict.timings["baseline"]`,
-    `["baseline_retimed"]`).
+    `["baseline_retimed"]`). Eager is timed again in each candidate's child before any candidate code is
+    imported, and the candidate compared with that (`eager_beside`): the host's speed drifts over seconds.
   * No state survives a check: one candidate per process (a warm spare is killed once its result is in,
     and nothing is timed on its GPU until it has exited: `settle`), job dirs are deleted, the cache is
     hidden, and a load_inline source is built once by a child that sees no input; checked runs get a
@@ -95,6 +96,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import secrets
 import shutil
 import threading
 import time
@@ -103,7 +105,8 @@ from dataclasses import dataclass, field
 import sandbox_measure
 import sandbox_worker
 import workspace
-from sandbox_build import build_inline, compile_workspace, copy_build, guard_library, trim_log  # noqa: F401
+from sandbox_build import (build_inline, bytecode_cache, compile_workspace, copy_build, guard_library,  # noqa: F401
+                           trim_log)
 from sandbox_child import (HARNESS_DIR, Child, ChildResult, SandboxError, bwrap_argv, hidden,  # noqa: F401
                            hidden_candidate, interruptible, isolation, last_line, new_jobdir, require_device,
                            run_child, settle)
@@ -161,6 +164,10 @@ class SandboxConfig:
     compare_on: str = "auto"
     """where the host compares trial outputs with the reference: "auto" (the check's GPU when this process
     can use CUDA: a CUDA context there, ~0.5 GB; a 64 MB output compares in ms, not ~0.1-0.5 s) | "cpu" """
+    eager_beside: bool = True
+    """time eager in each candidate's own child, just before the candidate is imported, and compare the
+    candidate with that (same process, same minute); False: with the eager baseline cached per task. The
+    compile baseline is always the cached one (compiling in every child would cost its compile)"""
     warm_spares: int = -1
     """pre-started candidate children kept per device (torch imported, CUDA up, checks warmed); each serves
     one candidate and is replaced in the background. 0 = start a child per check; -1 = 12 on cuda, 0 on cpu
@@ -229,6 +236,7 @@ def _solution(solution: str) -> tuple[str, str]:
 def _check(task, solution, cfg, compile_gate, device_gate) -> Verdict:
     require_device(cfg.device)
     guard_library(cfg)  # built once per torch; every candidate child loads it
+    bytecode_cache(cfg)  # filled once per Python and torch; every child imports from it
     src = read_task(task)
     v = Verdict(precision=precision_of(cfg), device=cfg.device, timings={"isolation": isolation()})
     try:
@@ -364,6 +372,8 @@ def start_spares(cfg: SandboxConfig, gpus: list) -> None:
     """Start every device slot's warm children now, in the background (candidate spares and a reference
     child), so that even the first check of a trainer or an evaluation finds them ready."""
     if warm_spares(cfg) > 0:
+        guard_library(cfg)  # what a spare binds at its start
+        bytecode_cache(cfg)
         for gpu in gpus:
             _SPARES.fill(*_spare_kind(cfg, gpu, hidden_candidate(cfg)))
             REF_SPARES.fill(*ref_spare(cfg, gpu))
@@ -397,7 +407,8 @@ def _run_candidate(form, cand, wdir, jobdir, ref, plan, cfg, gpu, ws) -> tuple[C
     job = {"kind": "candidate", "task_path": os.path.join(wdir, "task.py"), "cand_path": cand, "cand_dir": wdir,
            "device": cfg.device, "init_seed": cfg.seed, "kernels": kernels,
            "state_dict_path": os.path.join(wdir, "state_dict.pt"), "precision": precision_of(cfg),
-           "ext_dir": os.path.join(wdir, "ext") if form == "a" else None}
+           "ext_dir": os.path.join(wdir, "ext") if form == "a" else None,
+           "eager_beside": cfg.profile and cfg.eager_beside}
     seen = {"trials": [], "ops": None, "calls": [], "bad": None, "i": 0, "sent_at": 0.0, "warm_child": warm}
     out_bytes = sum(t.numel() * t.element_size() for t in next(iter(ref["outputs"].values())))
 
@@ -422,7 +433,15 @@ def _run_candidate(form, cand, wdir, jobdir, ref, plan, cfg, gpu, ws) -> tuple[C
     def on_msg(msg, control):
         t, req = msg.get("type"), seen.get("req") or {}
         try:
-            if t == "stage" and msg.get("stage") == "verify":
+            if t == "stage" and msg.get("stage") == "load" and job["eager_beside"] and "eager_sent" not in seen:
+                settle(gpu)  # the previous job's child has left the device before eager is timed here
+                seen["eager_sent"], seen["spares_starting"] = True, _SPARES.starting() + REF_SPARES.starting()
+                # a timing seed unrelated to the checked ones; eager's rounds as the baselines' (time_baselines)
+                send(control, {"op": "eager", "timing_seed": secrets.randbelow(2**31), "warmup": cfg.warmup,
+                               "iters": cfg.iters})
+            elif t == "eager" and seen.get("eager_sent") and "eager" not in seen and "req" not in seen:
+                seen["eager"] = {k: msg.get(k) for k in ("eager", "eager_launch", "eager_cv", "error")}
+            elif t == "stage" and msg.get("stage") == "verify":
                 advance(control)
             elif t == "trial" and req.get("op") == "trial":
                 waited = time.monotonic() - seen["sent_at"]  # the child's trial: inputs, forward, copy, pipe
@@ -561,14 +580,25 @@ def _timing(seen: dict, base: dict, v: Verdict, cfg: SandboxConfig, retime):
         v.correct, v.violation = False, (f"timer mismatch: host saw {host_span:.1f} ms, child reported "
                                          f"{child_span:.1f} ms (sum of timed calls {sum(ms):.1f} ms)")
         return
-    if cand_ms < 0.95 * base["eager_ms"] and base.get("runs", 1) < 2:  # a speedup tier depends on this baseline
+    beside = seen.get("eager") if (seen.get("eager") or {}).get("eager") else None  # eager timed in this child
+    cached = base["compile_ms"] if beside else base["eager_ms"]  # the baseline a tier would rest on
+    if cached and cand_ms < 0.95 * cached and base.get("runs", 1) < 2:  # ... measured in a single run
         base = retime()
         v.timings["baseline_retimed"] = True
     v.timings.update({"baseline": f"min of {len(base['eager_rounds'])} round medians over {base['runs']} run(s)",
                       "eager_spread": round(base.get("spread", 0.0), 4), "eager_cv": base.get("eager_cv"),
-                      "eager_launch_ms": base.get("eager_launch_ms"),
+                      "eager_launch_ms": base.get("eager_launch_ms"), "eager_cached_ms": base["eager_ms"],
                       "compile_error": base.get("compile_error")})
-    v.candidate_ms, v.eager_ms, v.compile_ms = cand_ms, base["eager_ms"], base["compile_ms"]
+    eager_ms = base["eager_ms"]
+    if beside:  # the same statistic over eager's rounds in the candidate's child, just before its import
+        eager_ms = min(beside["eager"])
+        v.timings.update({"baseline": f"eager: min of {len(beside['eager'])} round medians in the candidate's "
+                                      f"child; compile: " + v.timings["baseline"],
+                          "eager_rounds": [round(r, 5) for r in beside["eager"]], "eager_cv": beside["eager_cv"],
+                          "eager_launch_ms": min(beside["eager_launch"] or [0.0])})
+    elif seen.get("eager"):  # it failed there: the cached baseline, and why
+        v.timings["eager_beside_error"] = seen["eager"].get("error")
+    v.candidate_ms, v.eager_ms, v.compile_ms = cand_ms, eager_ms, base["compile_ms"]
     if v.candidate_ms > 0:
         v.speedup_eager = v.eager_ms / v.candidate_ms
         v.speedup_compile = v.compile_ms / v.candidate_ms if v.compile_ms else None

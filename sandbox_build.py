@@ -1,7 +1,7 @@
 """Builds for the sandbox: form (b) kernels compiled per file to plain shared objects (nvcc / g++, no torch
 headers; cached by every file the compiler sees), form (a) `load_inline` sources built once by an isolated
 child that sees no input (candidates run from a private copy), and the harness's own dispatch guard
-(sandbox_guard.cpp, once per torch version).
+(sandbox_guard.cpp, once per torch version) and the bytecode cache of what children import.
 
 Smoke: python -m pytest tests/test_sandbox.py -q -k "compile or cache or inline"
 """
@@ -268,3 +268,60 @@ def guard_library(cfg: SandboxConfig) -> str:
             os.replace(tmp, so)  # atomic: processes building at once leave one file
         sandbox_child.GUARD = so
         return so
+
+
+# What sandbox children import before any job code: torch, torch.compile's machinery (reference children),
+# the extension builder (load_inline builds), the profiler (candidate children). Missing ones are skipped.
+BYTECODE_IMPORTS = ("numpy", "torch", "torch._dynamo", "torch._inductor.compile_fx", "torch._inductor.codecache",
+                    "torch._inductor.codegen.triton", "torch._inductor.codegen.cpp",
+                    "torch._inductor.runtime.triton_heuristics", "torch.utils.cpp_extension", "torch.profiler",
+                    "triton", "triton.compiler")
+_BYTECODE_LOCK = threading.Lock()
+
+
+def ships_bytecode() -> bool:
+    """Whether torch's and inductor's own __pycache__ hold bytecode for this Python (a pip install writes it)."""
+    import importlib.util
+
+    import torch
+    tdir = os.path.dirname(torch.__file__)
+    return all(os.path.exists(importlib.util.cache_from_source(os.path.join(tdir, *f)))
+               for f in (("__init__.py",), ("_inductor", "compile_fx.py")))
+
+
+def bytecode_cache(cfg: SandboxConfig) -> str | None:
+    """A bytecode cache for what every child imports (cache_dir/bytecode/<key>, ~70 MB), filled once per
+    Python and torch by a trusted process here and handed to sandbox_child, which binds it read-only into
+    bubblewrap children as their PYTHONPYCACHEPREFIX. Children run on a read-only `/` without writing
+    bytecode, so where site-packages ship no .pyc every child compiled torch's sources again: importing
+    inductor took ~10 s of a reference child's start on an H200 host (docs/RESULTS.md). None (children
+    import as before) where torch ships its bytecode, at the fallback isolation levels (a candidate could
+    write into the cache there), or if filling it fails."""
+    import sys
+
+    import torch
+    if isolation() != "bwrap" or ships_bytecode():
+        return None
+    with _BYTECODE_LOCK:
+        if sandbox_child.PYCACHE and os.path.isdir(sandbox_child.PYCACHE):
+            return sandbox_child.PYCACHE
+        key = hashlib.sha256(f"{sys.version}|{sys.executable}|{torch.__version__}|{torch.__file__}|"
+                             f"{BYTECODE_IMPORTS}".encode()).hexdigest()[:16]
+        final = os.path.join(os.path.expanduser(cfg.cache_dir), "bytecode", key)
+        if not os.path.isdir(final):
+            tmp = f"{final}.{secrets.token_hex(4)}"
+            os.makedirs(tmp)
+            env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+            code = f"import importlib\nfor m in {BYTECODE_IMPORTS!r}:\n    try:\n        importlib.import_module(m)\n" \
+                   f"    except Exception:\n        pass\n"
+            try:
+                subprocess.run([sys.executable, "-c", code], env={**env, "PYTHONPYCACHEPREFIX": tmp,
+                                                                   "CUDA_VISIBLE_DEVICES": ""},
+                               capture_output=True, timeout=600, check=True)
+                os.rename(tmp, final)  # atomic: of processes filling it at once, one rename wins
+            except (OSError, subprocess.SubprocessError):
+                shutil.rmtree(tmp, ignore_errors=True)
+                if not os.path.isdir(final):
+                    return None
+        sandbox_child.PYCACHE = final
+        return final

@@ -34,6 +34,7 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_worke
 # the modules the worker imports: bound beside it when the repository is hidden
 HARNESS_FILES = tuple(os.path.join(os.path.dirname(WORKER), f"sandbox_{m}.py") for m in ("inline", "measure", "wire"))
 GUARD: str | None = None  # the dispatch guard's .so, set by sandbox_build.guard_library; loaded by the worker
+PYCACHE: str | None = None  # the trusted bytecode cache, set by sandbox_build.bytecode_cache; read-only in children
 
 
 class SandboxError(Exception):
@@ -88,6 +89,7 @@ def isolation() -> str:
 
 
 HARNESS_DIR = "/tmp/.harness"  # where a child sees the worker script when the repository is hidden
+PYCACHE_SEEN = os.path.join(HARNESS_DIR, "bytecode")  # where a bubblewrap child sees PYCACHE
 
 
 def guard_seen(level: str) -> str:
@@ -170,6 +172,8 @@ def bwrap_argv(cmd: list[str], wdir: str, device: str, writable: list, hide: lis
         cmd = [shown if c == WORKER else c for c in cmd]
     if GUARD and runs_worker:  # the cache dir that holds it is hidden from candidates
         args += ["--ro-bind", GUARD, guard_seen("bwrap")]
+    if PYCACHE and runs_worker:  # likewise; read-only, so no child can plant bytecode a later child runs
+        args += ["--ro-bind", PYCACHE, PYCACHE_SEEN]
     for w in [wdir, *writable]:  # binds come last so that the tmpfs mounts above do not hide them
         src, dst = w if isinstance(w, tuple) else (w, w)  # (host dir, where the child sees it)
         args += ["--bind", src, dst]
@@ -414,6 +418,8 @@ class Child:
         child_env.update({"HOME": self.wdir, "TMPDIR": "/tmp" if isolation() == "bwrap" else self.wdir,
                           "PYTHONDONTWRITEBYTECODE": "1", "CUDA_AGENT_GUARD": guard_seen(isolation()),
                           **(env or {})})
+        if PYCACHE and self.is_worker and isolation() == "bwrap":  # compiled once, not in every child
+            child_env["PYTHONPYCACHEPREFIX"] = PYCACHE_SEEN
         child_env["CUDA_VISIBLE_DEVICES"] = visible_devices(gpu) if device == "cuda" else ""  # cpu: no GPU
         cmd = cmd or [sys.executable, WORKER, os.path.join(self.wdir, "job.json")]
         full = _wrap(cmd, self.wdir, device, list(writable), list(hide))

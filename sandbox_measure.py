@@ -156,11 +156,11 @@ class Timer:
 
     def __init__(self, task, device: str, seed: int):
         self.task, self.device, self.seed = task, device, seed
-        self.launch: list = []  # per timed call, ms until fn returned (the rest is the wait for the device)
+        self.launch: list = []  # per timed call of the last run, ms until fn returned (the rest: the device)
 
     def run(self, fn, warmup: int, iters: int) -> list:
         import random
-        times, rng = [], random.Random(self.seed)
+        times, rng, self.launch = [], random.Random(self.seed), []
         for i in range(warmup + iters):
             xs = make_inputs(self.task, (self.seed + 7919 * (i + 1)) % 2**31, self.device)
             scrub(self.device, _sync)
@@ -196,11 +196,12 @@ def round_medians(times: list, rounds: int = BASELINE_ROUNDS) -> list:
             for i in range(min(rounds, len(times)))]
 
 
-def time_baselines(task, model, job: dict) -> dict:
+def time_baselines(task, model, job: dict, with_compile: bool = True) -> dict:
     """{"eager": [round medians], "compile": [round medians] | None, "eager_cv", "compile_error"}.
 
     Rounds alternate eager and compiled, so a burst of load on the machine inflates one round of each,
-    not a whole baseline; the host takes the minimum over rounds (and over re-timings)."""
+    not a whole baseline; the host takes the minimum over rounds (and over re-timings). with_compile=False times
+    eager alone (a candidate child's own eager rounds, sandbox_worker._time_eager)."""
     import statistics
 
     import torch
@@ -212,12 +213,11 @@ def time_baselines(task, model, job: dict) -> dict:
     compiled = None
     with torch.no_grad():
         for r in range(BASELINE_ROUNDS):
-            timer.launch = []
             st = stats(timer.run(model, job["warmup"] if r == 0 else 1, n))
             res["eager"].append(st["median_ms"])
             res.setdefault("eager_launch", []).append(statistics.median(timer.launch))
             res["eager_cv"] = max(res["eager_cv"], st["cv"])
-            if res["compile_error"]:
+            if not with_compile or res["compile_error"]:
                 continue
             try:
                 t_c = _perf()
@@ -227,4 +227,6 @@ def time_baselines(task, model, job: dict) -> dict:
                 res.setdefault("compile_round_s", []).append(round(_perf() - t_c, 3))  # round 0: the compile
             except BaseException as e:  # noqa: BLE001 - e.g. no C compiler for inductor
                 res["compile"], res["compile_error"] = None, one_line(e)
+    if not with_compile:
+        res["compile"] = None
     return res

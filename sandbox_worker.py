@@ -5,7 +5,8 @@ inside bubblewrap (see sandbox.py's threat model). Three job kinds:
   * `reference`: load the pristine task; compute full outputs for the trial seeds and sketches
     (`sketch`) for the timing seeds, always in strict fp32; optionally time the eager and
     `torch.compile` baselines in interleaved rounds.
-  * `candidate`: load the task and the candidate `ModelNew` (import and `__init__` under the dispatch
+  * `candidate`: load the task; time its eager forward on the host's request (`eager`, before any candidate
+    code is imported); load the candidate `ModelNew` (import and `__init__` under the dispatch
     guard with the init allow-list), then serve the host's requests ONE AT A TIME over the control
     pipe: `trial` (fresh seeded inputs, guarded forward, outputs shipped for the host to compare),
     `ops` (the profiler's aten list), `time` (fresh seeded inputs, guarded and timed forward, then a
@@ -331,6 +332,8 @@ def run_candidate(job: dict, ch: Channel):
     guard_cls = _guard_cls()
     snapshot = _snapshot()
     ch.send({"type": "stage", "stage": "load"})  # torch imported, CUDA up (timestamped by the host)
+    if job.get("eager_beside"):  # before any candidate code exists in this process; the host sends the
+        ch.send(_time_eager(task, job, ch.recv_control()))  # request once the GPU is free of earlier jobs
     if job.get("shm_bytes"):  # before any candidate code: the trial outputs' way to the host
         ch.map_shm(job["shm_fd"], job["shm_bytes"], device)
     if job.get("ext_dir"):  # form (a): load_inline imports what the build child built (a private copy)
@@ -351,6 +354,27 @@ def run_candidate(job: dict, ch: Channel):
     ch.send({"type": "stage", "stage": "verify"})  # the host answers with the first request
     res.update(_serve(model, task, guard_cls, job, ch, clocks, snapshot))
     ch.send(res)
+
+
+def _time_eager(task, job: dict, spec: dict) -> dict:
+    """The task's eager rounds, timed in the candidate's own child before the candidate is imported: the
+    candidate's speedup over eager compares two measurements of one process a fraction of a second apart.
+    A baseline timed once per task in another process would be compared with candidates timed in other
+    phases of the host's speed, which drifts by up to ~1.8x over seconds on some machines (docs/RESULTS.md).
+    `spec`, the host's request, holds the timing seed (unrelated to any checked seed), warm-up and iterations."""
+    import torch
+    try:
+        torch.manual_seed(job["init_seed"])  # the reference child's weights: same seed, same code
+        model = task.Model(*task.get_init_inputs()).to(job["device"])
+        res = time_baselines(task, model, {**spec, "device": job["device"], "precision": job["precision"]},
+                             with_compile=False)
+    except BaseException as e:  # noqa: BLE001 - the host falls back to the cached eager baseline
+        return {"type": "eager", "error": one_line(e)}
+    del model
+    if job["device"] == "cuda":
+        torch.cuda.empty_cache()  # the candidate gets the memory the reference model held
+    return {"type": "eager", "eager": res["eager"], "eager_launch": res.get("eager_launch", []),
+            "eager_cv": res["eager_cv"]}
 
 
 def _snapshot() -> tuple:

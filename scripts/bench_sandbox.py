@@ -229,6 +229,8 @@ def main() -> int:
                         "(cuda only); heavy: 128 sines per element (cuda only), >= 1 ms")
     p.add_argument("--form", default="b", choices=["a", "b"],
                    help="b: the workspace (kernels/*.cu through ctypes); a: one file with load_inline (see above)")
+    p.add_argument("--eager-beside", action=argparse.BooleanOptionalAction, default=True,
+                   help="SandboxConfig.eager_beside: eager timed in each candidate's child (off: the cached baseline)")
     p.add_argument("--compare-on", default="auto", choices=["auto", "cpu"], help="SandboxConfig.compare_on")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_sandbox.json"))
     args = p.parse_args()
@@ -239,7 +241,8 @@ def main() -> int:
     res["compare_on"] = args.compare_on
     with tempfile.TemporaryDirectory() as root:
         cfg = sandbox.SandboxConfig(device=args.device, cache_dir=os.path.join(root, "cache"), iters=args.iters,
-                                    warmup=10, warm_spares=args.warm_spares, compare_on=args.compare_on)
+                                    warmup=10, warm_spares=args.warm_spares, compare_on=args.compare_on,
+                                    eager_beside=args.eager_beside)
         ws = make_ws(root, args.device, args.kernel)
         sol = ws if args.form == "b" else inline_solution(args.device)  # what every check below checks
         # (1) rebuild after a one-kernel edit vs load_inline
@@ -252,6 +255,9 @@ def main() -> int:
         t = time.perf_counter()  # the dispatch guard is built once per machine and torch, not per task
         sandbox.guard_library(cfg)
         res["guard_build_s"] = time.perf_counter() - t
+        t = time.perf_counter()  # likewise the children's bytecode cache (where torch ships none)
+        res["bytecode_cache"] = sandbox.bytecode_cache(cfg)
+        res["bytecode_cache_s"] = time.perf_counter() - t
         t = time.perf_counter()
         first = sandbox.check(task, sol, cfg)
         res["first_check_s"] = time.perf_counter() - t
@@ -306,12 +312,17 @@ def main() -> int:
         res["cv_across_checks"] = statistics.pstdev(cands) / statistics.fmean(cands)
         res["cv_within_check_median"] = statistics.median(v.timings["cand_cv"] for v in verdicts)
         res["eager_ms"], res["compile_ms"], res["gpu"] = first.eager_ms, first.compile_ms, first.device
+        # each check's candidate over the eager time it was compared with (its own child's, or the cached one)
+        res["ratio_per_check"] = [v.candidate_ms / v.eager_ms for v in verdicts[: args.repeats]]
+        res["ratio_median"] = statistics.median(res["ratio_per_check"])
+        res["eager_cached_ms"] = first.timings.get("eager_cached_ms")
         # the host's part of a timed call (until forward returned; the rest is the wait for the device)
         res["cand_launch_ms"] = [v.timings.get("cand_launch_ms") for v in verdicts[: args.repeats]]
         res["eager_launch_ms"] = first.timings.get("eager_launch_ms")
         # every check of the timed series: its time, its forward's host part, and the children starting beside it
-        keys = ("spares_starting", "cand_launch_ms", "warm_child", "cand_cpus")
-        res["per_check"] = [{k: v.timings.get(k) for k in keys} | {"ms": v.candidate_ms} for v in verdicts]
+        keys = ("spares_starting", "cand_launch_ms", "eager_launch_ms", "warm_child", "cand_cpus")
+        res["per_check"] = [{k: v.timings.get(k) for k in keys} | {"ms": v.candidate_ms, "eager_ms": v.eager_ms}
+                            for v in verdicts]
     li = res["load_inline_s"]
     print("\n| metric | value |\n|---|---|")
     print(f"| machine | {res['gpu']} ({args.device}, isolation {res['isolation']}) |")
@@ -319,6 +330,8 @@ def main() -> int:
     print(f"| load_inline build of the same kernel | {'skipped' if li is None else f'{li:.1f} s'} |")
     print(f"| checks per minute (one device, cached baselines, {rows}x{cols} relu) | {res['checks_per_min']:.1f} |")
     print(f"| dispatch guard build (once per machine and torch; before the first check) | {res['guard_build_s']:.1f} s |")
+    print(f"| children's bytecode cache (once per machine and torch; none where torch ships bytecode) | "
+          f"{res['bytecode_cache_s']:.1f} s{'' if res['bytecode_cache'] else ' (not used)'} |")
     split = res["first_check_split_s"]
     print(f"| first check (computes baselines) | {res['first_check_s']:.1f} s (reference child {split['reference_s']} s, "
           f"candidate child {split['candidate_s']} s) |")
@@ -337,7 +350,9 @@ def main() -> int:
     print(f"| candidate ms median over checks | {statistics.median(cands):.4f} |")
     print(f"| CV of candidate_ms across {len(cands)} checks | {res['cv_across_checks']:.3f} |")
     print(f"| CV within a check ({args.iters} iters, median) | {res['cv_within_check_median']:.3f} |")
-    print(f"| eager / compile ms | {res['eager_ms']:.4f} / {res['compile_ms'] or float('nan'):.4f} |")
+    print(f"| eager / compile ms (first check) | {res['eager_ms']:.4f} / {res['compile_ms'] or float('nan'):.4f} |")
+    print(f"| candidate / eager, median over {len(res['ratio_per_check'])} checks (eager "
+          f"{'in each candidate child' if args.eager_beside else 'cached'}) | {res['ratio_median']:.3f} |")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)

@@ -402,6 +402,41 @@ def test_candidate_time_is_the_baselines_statistic():
     assert v.candidate_ms == 0.5 and v.speedup_eager == pytest.approx(0.8) and v.speedup_compile == pytest.approx(1.6)
 
 
+def test_eager_is_timed_in_the_candidates_child(pcfg, tmp_path):
+    """The speedup over eager compares the candidate with eager's rounds timed in the candidate's own child
+    just before its import, not with the baseline cached per task (timed once, at another speed of the host):
+    a cached eager baseline of 1 s changes nothing; with eager_beside off it is what the candidate is compared
+    with. The compile baseline stays the cached one."""
+    import dataclasses
+    import hashlib
+    cfg = dataclasses.replace(pcfg, cache_dir=str(tmp_path / "cache"))
+    src = sandbox.read_task(RELU_TASK)
+    base = sandbox.baselines(src, cfg)
+    key = f"{hashlib.sha256(src.encode()).hexdigest()}|{base['device']}|{base['precision']}"
+    sandbox.baseline_cache(cfg, key, {**base, "eager_ms": 1000.0, "eager_rounds": [1000.0] * 3, "runs": 2})
+    v = run(RELU_WS, cfg)
+    assert v.correct and v.eager_ms < 100 and len(v.timings["eager_rounds"]) == 3, v.to_dict()
+    assert v.eager_ms == pytest.approx(min(v.timings["eager_rounds"]), abs=1e-5) and v.timings["eager_cached_ms"] == 1000.0
+    assert v.compile_ms == base["compile_ms"]
+    v = run(RELU_WS, dataclasses.replace(cfg, eager_beside=False))
+    assert v.correct and v.eager_ms == 1000.0 and "eager_rounds" not in v.timings, v.to_dict()
+
+
+def test_eager_beside_a_baseline_retimed_only_for_the_compile_tier():
+    """With eager timed beside the candidate, the cached baseline a tier rests on is compile's: it is re-timed
+    (once, when measured in a single run) only if the candidate beats it."""
+    calls = [{"ms": 0.5, "span_ms": 0.5, "host_ms": 0.5} for _ in range(13)]
+    seen = {"calls": calls, "eager": {"eager": [0.9, 0.8, 1.0], "eager_launch": [0.1], "eager_cv": 0.01}}
+    base = {"eager_ms": 0.4, "compile_ms": 0.6, "runs": 1, "eager_rounds": [0.4] * 3}
+    retimed = {**base, "runs": 2}
+    v = sandbox.Verdict(correct=True)
+    sandbox._timing(seen, base, v, SandboxConfig(warmup=3, iters=10), retime=lambda: retimed)
+    assert v.eager_ms == 0.8 and v.speedup_eager == pytest.approx(1.6) and v.timings.get("baseline_retimed")
+    v = sandbox.Verdict(correct=True)
+    sandbox._timing(seen, {**base, "compile_ms": 0.3}, v, SandboxConfig(warmup=3, iters=10), retime=None)
+    assert v.eager_ms == 0.8 and not v.timings.get("baseline_retimed")  # neither tier rests on compile's 0.3
+
+
 # ----------------------------------------------------------------------------- escapes
 def test_fake_verdict_on_stdout_and_result_fd(cfg):
     fake = '{"compiled": true, "correct": true, "violation": null, "error": null, "reward": 3.0}'
@@ -424,6 +459,30 @@ def test_writes_outside_workspace_do_not_persist(cfg, tmp_path):
     for p in targets:
         if os.path.exists(p):
             os.remove(p)
+
+
+@pytest.mark.skipif(sandbox.isolation() != "bwrap", reason="the bytecode cache is used under bubblewrap only")
+def test_children_import_from_a_bytecode_cache_they_cannot_write(cfg, tmp_path, monkeypatch):
+    """Where torch ships no bytecode, children import it from a cache filled once by a trusted process: a
+    candidate child sees it as its PYTHONPYCACHEPREFIX and cannot plant a .pyc there for a later child."""
+    import sandbox_build
+    monkeypatch.setattr(sandbox_build, "ships_bytecode", lambda: False)
+    monkeypatch.setattr(sandbox_child, "PYCACHE", None)
+    c = dataclasses.replace(cfg, cache_dir=str(tmp_path / "cache"))
+    d = sandbox_build.bytecode_cache(c)
+    assert d and any(f.startswith("compile_fx.") for _, _, fs in os.walk(d) for f in fs), d
+    head = """
+        p = os.path.join(sys.pycache_prefix or '/nonexistent', 'planted.pyc')
+        try:
+            open(p, 'wb').write(b'x')
+            wrote = True
+        except OSError:
+            wrote = False
+        raise RuntimeError(f'prefix={sys.pycache_prefix} torch_cached={os.path.isdir(sys.pycache_prefix + os.path.dirname(torch.__file__))} wrote={wrote}')
+        """
+    v = run(sol(head=head), dynamic_only(c))
+    assert f"prefix={sandbox_child.PYCACHE_SEEN} torch_cached=True wrote=False" in (v.error or ""), v.to_dict()
+    assert not os.path.exists(os.path.join(d, "planted.pyc"))
 
 
 def test_network_is_unreachable(cfg):

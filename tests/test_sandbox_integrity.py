@@ -228,23 +228,32 @@ def test_a_tensor_outside_the_shared_buffer_is_refused():
 
 # ----------------------------------------------------------------------------- C. baselines
 def test_an_inflated_cached_baseline_is_retimed_before_a_speedup_tier(cfg, honest):
-    """A baseline timed once on a loaded machine made an honest kernel look 20x faster. Before a speedup tier
-    is awarded on a single-run baseline, the sandbox times it again and keeps the minimum."""
+    """A baseline timed once on a loaded machine made an honest kernel look 20x faster. Eager is timed again in
+    the candidate's own child, so an inflated cached eager time awards nothing; before a tier is awarded on a
+    cached single-run baseline (compile's; eager's with `eager_beside` off), the sandbox times it again and
+    keeps the minimum."""
     path = os.path.join(cfg.cache_dir, "baselines.json")
     with open(path) as f:
         data = json.load(f)
     (key, entry), = [(k, e) for k, e in data.items()]
-    true_eager = entry["eager_ms"]
+    true_eager, true_compile = entry["eager_ms"], entry["compile_ms"]
     fake = 5 * honest.candidate_ms  # so that the honest 20 ms kernel would look 5x faster than eager
-    data[key] = {**entry, "eager_ms": fake, "eager_rounds": [fake] * len(entry.get("eager_rounds", [1])), "runs": 1}
-    with open(path, "w") as f:
-        json.dump(data, f)
-    sandbox_reference._REF_POOLS.clear()
-    v = check(RELU_TASK, sol(WORK), cfg)
-    assert v.correct and v.timings.get("baseline_retimed"), v.to_dict()
-    assert v.eager_ms < 10 * true_eager, (v.eager_ms, true_eager)
-    assert "round medians over 2 run(s)" in v.timings["baseline"]
-    assert reward_of(v) == 1.0, "correct, but not faster than the re-timed eager baseline"
+    n = len(entry.get("eager_rounds", [1]))
+    inflated = {**entry, "eager_ms": fake, "eager_rounds": [fake] * n, "runs": 1}
+    if true_compile:
+        inflated.update(compile_ms=fake, compile_rounds=[fake] * n)
+    for beside in (True, False):
+        with open(path, "w") as f:
+            json.dump({**data, key: inflated}, f)
+        sandbox_reference._REF_POOLS.clear()
+        v = check(RELU_TASK, sol(WORK), dataclasses.replace(cfg, eager_beside=beside))
+        assert v.correct and v.eager_ms < 10 * true_eager, (beside, v.eager_ms, true_eager, v.to_dict())
+        if true_compile or not beside:
+            assert v.timings.get("baseline_retimed"), v.to_dict()
+            assert "round medians over 2 run(s)" in v.timings["baseline"]
+        if true_compile:
+            assert v.compile_ms < 10 * true_compile, (beside, v.compile_ms, true_compile)
+        assert reward_of(v) == 1.0, "correct, but not faster than the re-timed eager baseline"
 
 
 # ----------------------------------------------------------------------------- C. no state survives a check
