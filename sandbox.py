@@ -9,7 +9,7 @@ GPU (torch.compile's modules imported too) and two load_inline build children (t
 imported). Files: this one (what runs, the verdict), sandbox_child.py (isolation, the child and its
 channel), sandbox_spares.py (the warm children), sandbox_build.py (kernel compiles, load_inline builds, the
 dispatch guard's build), sandbox_reference.py (reference children, seed pools, baselines), sandbox_rules.py
-(static scan, comparison); inside the child: sandbox_worker.py (the jobs, the dispatch guard, the runtime
+(static scan, comparison, timing); inside the child: sandbox_worker.py (the jobs, the dispatch guard, the runtime
 helpers), sandbox_measure.py (inputs, sketches, the baseline timer), sandbox_wire.py (the result channel),
 sandbox_inline.py and sandbox_guard.cpp; workspace.py (reading untrusted files, validating task and solution
 files).
@@ -102,7 +102,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import sandbox_measure
 import sandbox_worker
 import workspace
 from sandbox_build import (build_inline, bytecode_cache, compile_workspace, copy_build, guard_library,  # noqa: F401
@@ -112,7 +111,7 @@ from sandbox_child import (HARNESS_DIR, Child, ChildResult, SandboxError, bwrap_
                            run_child, settle)
 from sandbox_reference import (BASELINE_TIMING, REF_SPARES, ref_spare, baseline_cache, baseline_entry,  # noqa: F401
                                baselines, device_name, precision_of, prewarm, reference_pool, retime, run_reference)
-from sandbox_rules import compare, sketch_close, static_scan
+from sandbox_rules import compare, sketch_close, static_scan, timing
 from sandbox_spares import Spares, warm_spares  # noqa: F401
 from workspace import TaskError, WorkspaceError, looks_like_path, python_error, read_file, read_task  # noqa: F401
 
@@ -358,7 +357,7 @@ def _run_check(src: str, solution: str, cfg: SandboxConfig, v: Verdict, compile_
                               "candidate_s": round(time.perf_counter() - t_cand, 3)})
             _judge(r, seen, ref, cfg, v, form)
             if v.correct and cfg.profile:
-                _timing(seen, base, v, cfg, lambda: retime(src, cfg, gpu, key, base))
+                timing(seen, base, v, cfg, lambda: retime(src, cfg, gpu, key, base))
     finally:
         shutil.rmtree(jobdir, ignore_errors=True)
 
@@ -552,57 +551,6 @@ def _judge(r: ChildResult, seen: dict, ref: dict, cfg, v: Verdict, form: str):
     v.correct = True
     if not cfg.profile:
         v.stage = "done"
-
-
-def _timing(seen: dict, base: dict, v: Verdict, cfg: SandboxConfig, retime):
-    """Candidate time, the timer cross-check, and the baselines, re-timed once before a speedup tier is awarded
-    on a baseline measured in a single run. The candidate's time is the baselines' statistic: its timed calls
-    after warm-up in BASELINE_ROUNDS consecutive rounds, the minimum round median kept (a median over all
-    calls against a minimum over the baseline's rounds would favour the baseline by the spread between rounds;
-    every call of every round is checked, so a fast round is a correct one)."""
-    import statistics
-    calls = seen["calls"][cfg.warmup:]
-    ms = [c["ms"] for c in calls]
-    child_span, host_span = sum(c["span_ms"] for c in calls), sum(c["host_ms"] for c in calls)
-    rounds, mean = sandbox_measure.round_medians(ms), statistics.fmean(ms)
-    cand_ms = min(rounds)
-    v.timings.update({"cand_cv": statistics.pstdev(ms) / mean if mean > 0 else 0.0, "n_iters": len(ms),
-                      "cand_rounds": [round(r, 5) for r in rounds], "cand_median_all": statistics.median(ms),
-                      # the host's part of a call (until forward returned); the rest is the wait for the device
-                      "cand_launch_ms": statistics.median(c.get("launch_ms", 0.0) for c in calls),
-                      "cand_cpus": sorted({c.get("cpu", -1) for c in calls}),  # the cores its calls ran on
-                      "host_span_ms": round(host_span, 3), "child_span_ms": round(child_span, 3)})
-    # The child's clock must agree with the host's over the same spans (patched or overwritten timers), and the
-    # timed calls must fit in those spans. The host's span of a call also holds two pipe hops and its reader
-    # thread's wake-up, a few ms on a loaded machine: hence the slack per call.
-    slack = max(0.75 * host_span, 5.0 * len(calls) + 50.0)  # a stopped or swapped clock still fails
-    if child_span < host_span - slack or sum(ms) > child_span * 1.01 + 1.0:
-        v.correct, v.violation = False, (f"timer mismatch: host saw {host_span:.1f} ms, child reported "
-                                         f"{child_span:.1f} ms (sum of timed calls {sum(ms):.1f} ms)")
-        return
-    beside = seen.get("eager") if (seen.get("eager") or {}).get("eager") else None  # eager timed in this child
-    cached = base["compile_ms"] if beside else base["eager_ms"]  # the baseline a tier would rest on
-    if cached and cand_ms < 0.95 * cached and base.get("runs", 1) < 2:  # ... measured in a single run
-        base = retime()
-        v.timings["baseline_retimed"] = True
-    v.timings.update({"baseline": f"min of {len(base['eager_rounds'])} round medians over {base['runs']} run(s)",
-                      "eager_spread": round(base.get("spread", 0.0), 4), "eager_cv": base.get("eager_cv"),
-                      "eager_launch_ms": base.get("eager_launch_ms"), "eager_cached_ms": base["eager_ms"],
-                      "compile_error": base.get("compile_error")})
-    eager_ms = base["eager_ms"]
-    if beside:  # the same statistic over eager's rounds in the candidate's child, just before its import
-        eager_ms = min(beside["eager"])
-        v.timings.update({"baseline": f"eager: min of {len(beside['eager'])} round medians in the candidate's "
-                                      f"child; compile: " + v.timings["baseline"],
-                          "eager_rounds": [round(r, 5) for r in beside["eager"]], "eager_cv": beside["eager_cv"],
-                          "eager_launch_ms": min(beside["eager_launch"] or [0.0])})
-    elif seen.get("eager"):  # it failed there: the cached baseline, and why
-        v.timings["eager_beside_error"] = seen["eager"].get("error")
-    v.candidate_ms, v.eager_ms, v.compile_ms = cand_ms, eager_ms, base["compile_ms"]
-    if v.candidate_ms > 0:
-        v.speedup_eager = v.eager_ms / v.candidate_ms
-        v.speedup_compile = v.compile_ms / v.candidate_ms if v.compile_ms else None
-    v.stage = "done"
 
 
 # ----------------------------------------------------------------------------- generic isolated call, pool

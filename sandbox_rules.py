@@ -1,7 +1,9 @@
 """The sandbox's rules, as pure functions of source text and tensors: what a candidate may write (the static
 scan, layer 3 of the no-torch rule) and when its outputs count as correct (`compare` for a trial's full
-outputs, `sketch_close` for a timed call's random projections). sandbox.py applies them; the tests call them
-directly. No process, file or GPU is touched here.
+outputs, `sketch_close` for a timed call's random projections), and what a check's timed calls come to
+(`timing`: the candidate's statistic, the clock cross-check, the baselines it is compared with). sandbox.py
+applies them; the tests call them directly. No process, file or GPU is touched here (a re-timing is the
+caller's callback).
 
 Smoke: python -m pytest tests/test_sandbox.py -q -k "scan or compare"
 """
@@ -11,7 +13,10 @@ import ast
 import contextlib
 import io
 import re
+import statistics
 import tokenize
+
+import sandbox_measure
 
 # ----------------------------------------------------------------------------- static scan (layer 3)
 TORCH_OK = {"empty", "empty_like", "empty_strided", "from_numpy", "is_tensor", "Size", "device", "dtype", "no_grad",
@@ -318,3 +323,56 @@ def sketch_close(cand: list, ref: list, cfg) -> tuple[bool, str | None]:
             if not abs(float(pc) - pr) <= 8 * bound:
                 return False, f"{where}random projection {float(pc):.6g}, expected {pr:.6g} (bound {8 * bound:.3g})"
     return True, None
+
+
+# ----------------------------------------------------------------------------- timing (host side)
+def timing(seen: dict, base: dict, v, cfg, retime):
+    """Fill the verdict `v` from a check's timed calls (`seen`): the candidate's time, the timer cross-check, and
+    the baselines it is compared with: eager's rounds from the candidate's own child when they came
+    (`seen["eager"]`), else the cached `base`; a cached baseline that a speedup tier would rest on is re-timed
+    once (`retime()`) when it was measured in a single run. The candidate's time is the baselines' statistic:
+    its timed calls after warm-up in BASELINE_ROUNDS consecutive rounds, the minimum round median kept (a
+    median over all calls against a minimum over the baseline's rounds would favour the baseline by the
+    spread between rounds; every call of every round is checked, so a fast round is a correct one)."""
+    calls = seen["calls"][cfg.warmup:]
+    ms = [c["ms"] for c in calls]
+    child_span, host_span = sum(c["span_ms"] for c in calls), sum(c["host_ms"] for c in calls)
+    rounds, mean = sandbox_measure.round_medians(ms), statistics.fmean(ms)
+    cand_ms = min(rounds)
+    v.timings.update({"cand_cv": statistics.pstdev(ms) / mean if mean > 0 else 0.0, "n_iters": len(ms),
+                      "cand_rounds": [round(r, 5) for r in rounds], "cand_median_all": statistics.median(ms),
+                      # the host's part of a call (until forward returned); the rest is the wait for the device
+                      "cand_launch_ms": statistics.median(c.get("launch_ms", 0.0) for c in calls),
+                      "cand_cpus": sorted({c.get("cpu", -1) for c in calls}),  # the cores its calls ran on
+                      "host_span_ms": round(host_span, 3), "child_span_ms": round(child_span, 3)})
+    # The child's clock must agree with the host's over the same spans (patched or overwritten timers), and the
+    # timed calls must fit in those spans. The host's span of a call also holds two pipe hops and its reader
+    # thread's wake-up, a few ms on a loaded machine: hence the slack per call.
+    slack = max(0.75 * host_span, 5.0 * len(calls) + 50.0)  # a stopped or swapped clock still fails
+    if child_span < host_span - slack or sum(ms) > child_span * 1.01 + 1.0:
+        v.correct, v.violation = False, (f"timer mismatch: host saw {host_span:.1f} ms, child reported "
+                                         f"{child_span:.1f} ms (sum of timed calls {sum(ms):.1f} ms)")
+        return
+    beside = seen.get("eager") if (seen.get("eager") or {}).get("eager") else None  # eager timed in this child
+    cached = base["compile_ms"] if beside else base["eager_ms"]  # the baseline a tier would rest on
+    if cached and cand_ms < 0.95 * cached and base.get("runs", 1) < 2:  # ... measured in a single run
+        base = retime()
+        v.timings["baseline_retimed"] = True
+    v.timings.update({"baseline": f"min of {len(base['eager_rounds'])} round medians over {base['runs']} run(s)",
+                      "eager_spread": round(base.get("spread", 0.0), 4), "eager_cv": base.get("eager_cv"),
+                      "eager_launch_ms": base.get("eager_launch_ms"), "eager_cached_ms": base["eager_ms"],
+                      "compile_error": base.get("compile_error")})
+    eager_ms = base["eager_ms"]
+    if beside:  # the same statistic over eager's rounds in the candidate's child, just before its import
+        eager_ms = min(beside["eager"])
+        v.timings.update({"baseline": f"eager: min of {len(beside['eager'])} round medians in the candidate's "
+                                      f"child; compile: " + v.timings["baseline"],
+                          "eager_rounds": [round(r, 5) for r in beside["eager"]], "eager_cv": beside["eager_cv"],
+                          "eager_launch_ms": min(beside["eager_launch"] or [0.0])})
+    elif seen.get("eager"):  # it failed there: the cached baseline, and why
+        v.timings["eager_beside_error"] = seen["eager"].get("error")
+    v.candidate_ms, v.eager_ms, v.compile_ms = cand_ms, eager_ms, base["compile_ms"]
+    if v.candidate_ms > 0:
+        v.speedup_eager = v.eager_ms / v.candidate_ms
+        v.speedup_compile = v.compile_ms / v.candidate_ms if v.compile_ms else None
+    v.stage = "done"

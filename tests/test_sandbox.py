@@ -17,6 +17,7 @@ import pytest
 import reward
 import sandbox
 import sandbox_child
+import sandbox_rules
 from sandbox import SandboxConfig, TaskError, check, compare, load_task, static_scan
 
 FIX = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "sandbox")
@@ -397,7 +398,7 @@ def test_candidate_time_is_the_baselines_statistic():
     calls = [{"ms": m, "span_ms": m, "host_ms": m} for m in [2.0] * 3 + ms]  # 3 warm-ups, not counted
     base = {"eager_ms": 0.4, "compile_ms": 0.8, "runs": 2, "eager_rounds": [0.4, 0.45, 0.5]}
     v = sandbox.Verdict(correct=True)
-    sandbox._timing({"calls": calls}, base, v, SandboxConfig(warmup=3, iters=100), retime=None)
+    sandbox_rules.timing({"calls": calls}, base, v, SandboxConfig(warmup=3, iters=100), retime=None)
     assert v.timings["cand_rounds"] == [1.0, 1.1, 0.5] and v.timings["cand_median_all"] == 1.0
     assert v.candidate_ms == 0.5 and v.speedup_eager == pytest.approx(0.8) and v.speedup_compile == pytest.approx(1.6)
 
@@ -416,7 +417,8 @@ def test_eager_is_timed_in_the_candidates_child(pcfg, tmp_path):
     sandbox.baseline_cache(cfg, key, {**base, "eager_ms": 1000.0, "eager_rounds": [1000.0] * 3, "runs": 2})
     v = run(RELU_WS, cfg)
     assert v.correct and v.eager_ms < 100 and len(v.timings["eager_rounds"]) == 3, v.to_dict()
-    assert v.eager_ms == pytest.approx(min(v.timings["eager_rounds"]), abs=1e-5) and v.timings["eager_cached_ms"] == 1000.0
+    assert v.eager_ms == pytest.approx(min(v.timings["eager_rounds"]), abs=1e-5)
+    assert v.timings["eager_cached_ms"] == 1000.0
     assert v.compile_ms == base["compile_ms"]
     v = run(RELU_WS, dataclasses.replace(cfg, eager_beside=False))
     assert v.correct and v.eager_ms == 1000.0 and "eager_rounds" not in v.timings, v.to_dict()
@@ -430,10 +432,10 @@ def test_eager_beside_a_baseline_retimed_only_for_the_compile_tier():
     base = {"eager_ms": 0.4, "compile_ms": 0.6, "runs": 1, "eager_rounds": [0.4] * 3}
     retimed = {**base, "runs": 2}
     v = sandbox.Verdict(correct=True)
-    sandbox._timing(seen, base, v, SandboxConfig(warmup=3, iters=10), retime=lambda: retimed)
+    sandbox_rules.timing(seen, base, v, SandboxConfig(warmup=3, iters=10), retime=lambda: retimed)
     assert v.eager_ms == 0.8 and v.speedup_eager == pytest.approx(1.6) and v.timings.get("baseline_retimed")
     v = sandbox.Verdict(correct=True)
-    sandbox._timing(seen, {**base, "compile_ms": 0.3}, v, SandboxConfig(warmup=3, iters=10), retime=None)
+    sandbox_rules.timing(seen, {**base, "compile_ms": 0.3}, v, SandboxConfig(warmup=3, iters=10), retime=None)
     assert v.eager_ms == 0.8 and not v.timings.get("baseline_retimed")  # neither tier rests on compile's 0.3
 
 
@@ -478,7 +480,8 @@ def test_children_import_from_a_bytecode_cache_they_cannot_write(cfg, tmp_path, 
             wrote = True
         except OSError:
             wrote = False
-        raise RuntimeError(f'prefix={sys.pycache_prefix} torch_cached={os.path.isdir(sys.pycache_prefix + os.path.dirname(torch.__file__))} wrote={wrote}')
+        cached = os.path.isdir(sys.pycache_prefix + os.path.dirname(torch.__file__))
+        raise RuntimeError(f'prefix={sys.pycache_prefix} torch_cached={cached} wrote={wrote}')
         """
     v = run(sol(head=head), dynamic_only(c))
     assert f"prefix={sandbox_child.PYCACHE_SEEN} torch_cached=True wrote=False" in (v.error or ""), v.to_dict()
