@@ -434,7 +434,7 @@ def _run_candidate(form, cand, wdir, jobdir, ref, plan, cfg, gpu, ws) -> tuple[C
         try:
             if t == "stage" and msg.get("stage") == "load" and job["eager_beside"] and "eager_sent" not in seen:
                 settle(gpu)  # the previous job's child has left the device before eager is timed here
-                seen["eager_sent"], seen["spares_starting"] = True, _SPARES.starting() + REF_SPARES.starting()
+                seen["eager_sent"] = True
                 # a timing seed unrelated to the checked ones; eager's rounds as the baselines' (time_baselines)
                 send(control, {"op": "eager", "timing_seed": secrets.randbelow(2**31), "warmup": cfg.warmup,
                                "iters": cfg.iters})

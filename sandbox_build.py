@@ -312,8 +312,8 @@ def bytecode_cache(cfg: SandboxConfig) -> str | None:
             tmp = f"{final}.{secrets.token_hex(4)}"
             os.makedirs(tmp)
             env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-            code = f"import importlib\nfor m in {BYTECODE_IMPORTS!r}:\n    try:\n        importlib.import_module(m)\n" \
-                   f"    except Exception:\n        pass\n"
+            code = (f"import importlib\nfor m in {BYTECODE_IMPORTS!r}:\n"
+                    "    try:\n        importlib.import_module(m)\n    except Exception:\n        pass\n")
             try:
                 subprocess.run([sys.executable, "-c", code], env={**env, "PYTHONPYCACHEPREFIX": tmp,
                                                                    "CUDA_VISIBLE_DEVICES": ""},

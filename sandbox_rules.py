@@ -353,7 +353,8 @@ def timing(seen: dict, base: dict, v, cfg, retime):
         v.correct, v.violation = False, (f"timer mismatch: host saw {host_span:.1f} ms, child reported "
                                          f"{child_span:.1f} ms (sum of timed calls {sum(ms):.1f} ms)")
         return
-    beside = seen.get("eager") if (seen.get("eager") or {}).get("eager") else None  # eager timed in this child
+    eager_msg = seen.get("eager") or {}  # eager timed in the candidate's child, when it came
+    beside = eager_msg if eager_msg.get("eager") else None
     cached = base["compile_ms"] if beside else base["eager_ms"]  # the baseline a tier would rest on
     if cached and cand_ms < 0.95 * cached and base.get("runs", 1) < 2:  # ... measured in a single run
         base = retime()
@@ -369,8 +370,8 @@ def timing(seen: dict, base: dict, v, cfg, retime):
                                       f"child; compile: " + v.timings["baseline"],
                           "eager_rounds": [round(r, 5) for r in beside["eager"]], "eager_cv": beside["eager_cv"],
                           "eager_launch_ms": min(beside["eager_launch"] or [0.0])})
-    elif seen.get("eager"):  # it failed there: the cached baseline, and why
-        v.timings["eager_beside_error"] = seen["eager"].get("error")
+    elif eager_msg:  # it failed there: the cached baseline, and why
+        v.timings["eager_beside_error"] = eager_msg.get("error")
     v.candidate_ms, v.eager_ms, v.compile_ms = cand_ms, eager_ms, base["compile_ms"]
     if v.candidate_ms > 0:
         v.speedup_eager = v.eager_ms / v.candidate_ms
