@@ -157,6 +157,59 @@ if triton is not None:
         tl.store(out_ptr + b * so_b + (h * G + g) * D + d, o.to(out_ptr.dtype.element_ty))
 
 
+    @triton.jit
+    def _feed_attn_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, pos_ptr, part_ptr, out_ptr, SPLIT, sq_h, sq_t, sk_b, sk_h,
+                          sk_c, sv_b, sv_h, sv_c, so_t, scale, G: tl.constexpr, BQ: tl.constexpr, M: tl.constexpr,
+                          D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr):
+        """Program (i, h, s): feed tokens [i*BQ, (i+1)*BQ), all in arena row rows[i*BQ], with the G query heads of
+        kv head h folded in (query row m = token j * G + head g, M >= G*BQ rows), against the row's columns
+        [s*SPLIT, (s+1)*SPLIT); token t attends columns [0, pos[t]] (its own key included: the cache was written
+        before attention). Online softmax; writes (acc (D,), max, sum) per (token, head) to part[t, h, s] for
+        `_decode_combine_kernel` (a query row with no column in the split: max -inf, weight 0 there); DIRECT (one
+        split): the normalised output straight to out[t, h*G + g]."""
+        i, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        t0 = i * BQ
+        r = tl.load(rows_ptr + t0)
+        mm = tl.arange(0, M)
+        valid = mm < G * BQ
+        t = t0 + mm // G
+        g = mm % G
+        p = tl.load(pos_ptr + t, mask=valid, other=0).to(tl.int32)
+        d = tl.arange(0, D)
+        q = tl.load(q_ptr + (h * G + g)[:, None] * sq_h + t[:, None] * sq_t + d[None, :], mask=valid[:, None],
+                    other=0)
+        lo = s * SPLIT
+        hi = tl.minimum(lo + SPLIT, tl.max(p, axis=0) + 1)
+        m_i = tl.full((M,), float("-inf"), tl.float32)
+        l_i = tl.zeros((M,), tl.float32)
+        acc = tl.zeros((M, D), tl.float32)
+        start = lo
+        while start < hi:   # while, not range: the interpreter cannot run a range with runtime bounds here
+            cols = start + tl.arange(0, BLOCK_N)
+            ok = cols < hi
+            k = tl.load(k_ptr + r * sk_b + h * sk_h + cols[:, None] * sk_c + d[None, :], mask=ok[:, None], other=0)
+            sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale                       # (M, BLOCK_N)
+            sc = tl.where(cols[None, :] <= p[:, None], sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)    # rows with nothing yet: p = 0, not NaN
+            pr = tl.exp(sc - m_ref[:, None])
+            alpha = tl.exp(m_i - m_ref)
+            v = tl.load(v_ptr + r * sv_b + h * sv_h + cols[:, None] * sv_c + d[None, :], mask=ok[:, None], other=0)
+            acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v, input_precision=PRECISION)
+            l_i = l_i * alpha + tl.sum(pr, axis=1)
+            m_i = m_new
+            start += BLOCK_N
+        if DIRECT:
+            o = acc / l_i[:, None]
+            tl.store(out_ptr + t[:, None] * so_t + (h * G + g)[:, None] * D + d[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=valid[:, None])
+        else:
+            base = part_ptr + ((t * tl.num_programs(1) + h) * tl.num_programs(2) + s) * G * (D + 2) + g * (D + 2)
+            tl.store(base[:, None] + d[None, :], acc, mask=valid[:, None])
+            tl.store(base + D, m_i, mask=valid)
+            tl.store(base + D + 1, l_i, mask=valid)
+
+
 def _runs_here(*ts: torch.Tensor) -> bool:
     """The kernels apply: triton is importable, no autograd, CUDA tensors (or CPU ones under the interpreter)."""
     return (triton is not None and not (torch.is_grad_enabled() and any(t.requires_grad for t in ts))
@@ -236,6 +289,52 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         key.stride(2), value.stride(0), value.stride(1), value.stride(2), scale, G=G,
         G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK_N=DECODE_BLOCK_N, PRECISION=dot_precision(query.dtype))
     _decode_combine_kernel[(B, HK, G)](part, out, out.stride(0), nsplit, G=G, D=D, S_PAD=DECODE_SPLIT_MAX)
+    return out
+
+
+FEED_ROWS = 64             # query rows (feed tokens x the query heads of one kv head) per program of feed_attention
+
+
+def feed_block(G: int) -> int:
+    """Feed tokens per program of `feed_attention` for G query heads per kv head: each arena row's chunk of a
+    mixed step starts at a multiple of it (generate.Engine lays the feed slots out so)."""
+    return max(1, FEED_ROWS // G)
+
+
+def feed_attention_applies(query: torch.Tensor, key: torch.Tensor) -> bool:
+    """query (Hq, P, D) and key (R, Hkv, C, D) with unit last strides, D a power of two, on a device that runs
+    the kernel."""
+    if triton is None:
+        return False
+    D = query.shape[-1]
+    return (D == triton.next_power_of_2(D) and D >= 16 and query.stride(-1) == 1 and key.stride(-1) == 1
+            and query.shape[0] % key.shape[1] == 0 and query.dtype == key.dtype and _runs_here(query, key))
+
+
+def feed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows: torch.Tensor,
+                   pos: torch.Tensor, scale: float) -> torch.Tensor:
+    """The feed tokens' attention in a mixed step (generate.Engine): token t attends columns [0, pos[t]] of
+    arena row rows[t]. query (Hq, P, D); key/value (R, Hkv, C, D) arena views; rows, pos (P,), P a multiple of
+    feed_block(G), each block's tokens in one row (padding slots: that row, position 0) -> (P, Hq, D)."""
+    HQ, P, D = query.shape
+    HK, C = key.shape[1], key.shape[2]
+    G = HQ // HK
+    BQ = feed_block(G)
+    assert P % BQ == 0, f"{P} feed slots: not a multiple of the block {BQ}"
+    # split-K over the columns as in decode_attention: a program's loop stays short and the grid fills the GPU
+    # (one program per block and kv head ran ~50 serial iterations at 3,400 columns)
+    nsplit = max(1, min(DECODE_SPLIT_MAX, C // DECODE_SPLIT_MIN))
+    split = triton.cdiv(triton.cdiv(C, nsplit), DECODE_BLOCK_N) * DECODE_BLOCK_N
+    part = torch.empty(P, HK, nsplit, G, D + 2, dtype=torch.float32, device=query.device) if nsplit > 1 else None
+    out = torch.empty(P, HQ, D, dtype=query.dtype, device=query.device)
+    M = max(16, triton.next_power_of_2(G * BQ))
+    _feed_attn_kernel[(P // BQ, HK, nsplit)](
+        query, key, value, rows, pos, part if nsplit > 1 else out, out, split, query.stride(0), query.stride(1),
+        key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
+        out.stride(0), scale, G=G, BQ=BQ, M=M, D=D, BLOCK_N=DECODE_BLOCK_N, PRECISION=dot_precision(query.dtype),
+        DIRECT=nsplit == 1)
+    if nsplit > 1:
+        _decode_combine_kernel[(P, HK, G)](part, out, out.stride(0), nsplit, G=G, D=D, S_PAD=DECODE_SPLIT_MAX)
     return out
 
 

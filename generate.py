@@ -8,8 +8,10 @@ and a batch waits for its longest row. `Engine` removes both costs:
     token of a conversation enters the model once (`Engine.fed`). policy.HFPolicy calls it once per turn.
   * Continuous batching: up to `max_batch` rows decode together with ragged cache lengths; finished rows
     leave, waiting requests join mid-turn. With `step(..., follow=fn)` an episode's next turn joins as soon
-    as its row finishes (turns overlap across episodes; opt-in: at the A3B shape each small admission costs
-    an eager prefill forward, and one `step` per turn measured faster, docs/RESULTS.md §3).
+    as its row finishes (turns overlap across episodes): it stays in its arena row and its new tokens ride in
+    the next decode steps (`feed_tokens` slots a step, "mixed" steps, one CUDA graph), so no eager prefill
+    forward re-reads the weights for it (at the A3B shape 1,328 tok/s against 1,222 one `step` per turn,
+    docs/RESULTS.md §3).
   * Each episode has its own CPU torch.Generator and one uniform draw per token, so samples do not depend on
     the batch; returned log-probs are log_softmax(logits) at temperature 1, unfiltered.
   * `kv_budget_gib` bounds the KV memory on the device: fewer arena rows, idle caches offloaded to pinned host
@@ -35,13 +37,12 @@ from dataclasses import dataclass
 from typing import Callable, Hashable, Protocol
 
 import torch
-import torch.nn.functional as F
 from transformers.cache_utils import Cache
 
 import fused_ops
 import moe_kernel
 from kv_host import KV_HOST_BLOCK, HostKV, HostPool, offload, reload
-from ragged_attention import ATTN_NAME, RaggedLayer, end_forward
+from ragged_attention import ATTN_NAME, Feed, RaggedLayer, begin_feed, end_forward
 from sampling import cache_kwarg, episode_generator, sample_rows
 
 @dataclass
@@ -68,6 +69,7 @@ class _Row:
     eid: Hashable
     budget: int                        # tokens it may sample this turn
     alive: bool = True                 # as of the last `_collect`; the device's `_st` row ALIVE is the truth
+    feed: list[int] | None = None      # a follow-up turn's tokens still to be fed through mixed steps
 
 
 # --------------------------------------------------------------------------------------------------
@@ -139,7 +141,7 @@ class Engine:
                  stop_ids: set[int] | None = None, max_context: int | None = None,
                  compact_min: int | None = None, admit_min: int | None = None,
                  prefill_tokens: int = 16384, experts: str | None = None, fused: bool | None = None,
-                 attention: str | None = None, cuda_graphs: bool = False,
+                 attention: str | None = None, cuda_graphs: bool = False, feed_tokens: int = 128,
                  static_batch: bool = False, kv_budget_gib: float | None = None, kv_evict: str = "offload",
                  kv_host_block: int = KV_HOST_BLOCK):
         self.model = model
@@ -183,7 +185,12 @@ class Engine:
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.static_batch = static_batch or self.cuda_graphs   # decode all arena rows every step (graphs need it)
         self.graph_error: str | None = None       # why CUDA-graph decode was switched off, if it was
-        self._graph = None
+        self._graphs: dict = {}                     # "decode" / "mixed" -> (graph, its logits) while a `step` runs
+        # Follow-up turns (step(follow=)) are fed through the decode steps: up to feed_tokens slots a step carry
+        # the new turns' tokens beside the pending ones (a "mixed" step), so a row that finishes a turn stays in
+        # its arena row and needs no admission (an eager forward that reads every weight again). 0: admissions.
+        self.feed_tokens = feed_tokens
+        self._mixed = False                         # this run feeds follow-ups through mixed steps
         self.arena: torch.Tensor | None = None      # (layers, 2, B, Hkv, C, D) while a `step` runs
         self._follow: Follow | None = None          # step's follow while it runs
         self._queue: list = []                      # (episode, budget) waiting for a row in the running `_run`
@@ -207,7 +214,7 @@ class Engine:
                           forwards=0, admissions=0, compactions=0, rewinds=0, kv_offloaded_tokens=0,
                           kv_reloaded_tokens=0, kv_dropped_tokens=0, kv_offload_s=0.0, kv_peak_resident_gib=0.0,
                           kv_host_gib=0.0, kv_host_alloc_s=0.0, arena_rows_max=0, admit_s=0.0,
-                          graph_capture_s=0.0, arena_grows=0)
+                          graph_capture_s=0.0, arena_grows=0, feed_steps=0)
 
     # ---- public API --------------------------------------------------------------------------------
 
@@ -320,8 +327,10 @@ class Engine:
             B = min(B, self.kv_budget // row)
             self._evict(B * row)                                          # make room for the arena
         admit_min = min(self.admit_min, B)
-        self.arena = torch.zeros(self.n_layers, 2, B, self.n_kv, cap, self.head_dim,
-                                 dtype=self.dtype, device=self.device)   # (layers, 2, B, Hkv, C, D)
+        self._mixed = self._follow is not None and self.feed_tokens > 0 and self.kv_budget is None
+        self._B = B               # + one scratch row in mixed runs: where rows that do not sample write their keys
+        self.arena = torch.zeros(self.n_layers, 2, B + self._mixed, self.n_kv, cap, self.head_dim,
+                                 dtype=self.dtype, device=self.device)   # (layers, 2, B (+1), Hkv, C, D)
         self._kv_resident()
         self.stats["arena_rows_max"] = max(self.stats["arena_rows_max"], B)
         self.rows: list[_Row] = []
@@ -338,38 +347,41 @@ class Engine:
         self._u = torch.zeros(B, T + 1, device=dev) if self.temperature > 0 else None
         self._cols = torch.arange(cap, device=dev)                        # (C,) for the masks
         self._last0 = torch.zeros(B, dtype=torch.long, device=dev)       # (B,) decode: logits at j = 0
+        self._n_feed = 0                                                  # rows waiting for (the rest of) a feed
+        if self._mixed:
+            self._mixed_buffers(B)
         self._in_run = {e for e, _ in queue}
         # similar feed lengths prefill together (less padding); follow-up turns are appended as rows finish
         self._queue = sorted(queue, key=lambda q: len(eps[q[0]].ids) - eps[q[0]].n_cached)
         try:
-            while self._queue or self._n_alive:
+            while self._queue or self._n_alive or self._n_feed:
                 # admit when a group of admit_min fits, when nothing decodes, or when the whole queue fits (with
                 # follow only once it outnumbers the decoding rows: more follow-ups are on their way)
-                k = min(len(self._queue), B - self._n_alive)
+                k = min(len(self._queue), B - self._n_alive - self._n_feed)
                 admit = k > 0 and (self._n_alive == 0 or k >= admit_min or (
                     k == len(self._queue) and (self._follow is None or k >= self._n_alive)))
-                n_dead = len(self.rows) - self._n_alive
+                n_dead = len(self.rows) - self._n_alive - self._n_feed
                 if n_dead and (admit or n_dead >= self.compact_min or self._n_alive == 0):
                     self._compact()
                 if admit:
                     group, self._queue = self._queue[:k], self._queue[k:]
                     self._admit(group, results)
-                if self._n_alive:
+                if self._n_alive or self._n_feed:
                     self._decode(results)
         except BaseException:
-            self._graph = None
+            self._graphs = {}
             for r in self.rows:              # their caches lived in the arena: drop them, never leave a torn state
-                if r.alive:
+                if r.alive or r.feed is not None:
                     self.release(r.eid)
             raise
         finally:
-            self._graph = None                   # it points into the arena and the state: drop it first
+            self._graphs = {}                    # they point into the arena and the state: drop them first
             self.arena, self.rows, self._in_run, self._queue = None, [], set(), []
-            self._st = self._out = self._lps = self._u = self._cols = self._last0 = None
+            self._st = self._out = self._lps = self._u = self._cols = self._last0 = self._fd = None
 
     def _compact(self) -> None:
         """Move alive rows to the front of the arena (in place, increasing order: never overwrites a source)."""
-        keep = [i for i, r in enumerate(self.rows) if r.alive]
+        keep = [i for i, r in enumerate(self.rows) if r.alive or r.feed is not None]
         for new, old in enumerate(keep):
             if new != old:
                 n = self._lens[old]
@@ -447,46 +459,57 @@ class Engine:
         self._sample(a, b, logits, results)
 
     def _decode(self, results: dict) -> None:
-        """One token for every row in the arena (dead rows ride along until compaction; their output is dropped).
+        """One token for every row in the arena (dead rows ride along until compaction; their output is dropped);
+        while rows wait for a follow-up turn's tokens, a mixed step that also feeds them (`_plan_feed`).
 
         With CUDA graphs the step always covers all arena rows (unused ones decode a pad at column 0), so one
-        graph, captured on the first decode of a `step` call, serves every decode of that call."""
-        n = self.arena.shape[2] if self.static_batch else len(self.rows)
-        ids, start = self._st[TOK, :n, None], self._st[LEN, :n]                                      # (B, 1), (B,)
-        if self.cuda_graphs:
-            logits = self._graph_forward(ids, start)
+        graph, captured on the first decode of a `step` call, serves every decode of that call (and one more
+        every mixed step)."""
+        st = self._st
+        if self._n_feed:
+            n = self._B
+            self._plan_feed()
+            logits = self._graphed("mixed", self._forward_mixed)                                       # (B, V)
+            st[LEN, :n] += st[ALIVE, :n]
+            st[LEN:, :n] = torch.where(self._fd_set > 0, self._fd_val, st[LEN:, :n])   # the fed rows' new state
+            self.stats["feed_steps"] += 1
         else:
-            logits = self._forward(0, n, ids, start, self._last0[:n])                                 # (B, V)
-        start += self._st[ALIVE, :n]                             # the fed token is cached now (start is _st[LEN])
+            n = self._B if self.static_batch else len(self.rows)
+            ids, start = st[TOK, :n, None], st[LEN, :n]                                             # (B, 1), (B,)
+            logits = self._graphed("decode", lambda: self._forward(0, n, ids, start, self._last0[:n]))  # (B, V)
+            start += st[ALIVE, :n]                               # the fed token is cached now (start is _st[LEN])
         self.stats["decode_positions"] += n
         self.stats["decode_steps"] += 1
         self._sample(0, n, logits, results)
 
-    def _graph_forward(self, ids: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-        """The decode forward through a CUDA graph (static ids/start buffers in, static logits out).
+    def _graphed(self, name: str, forward: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """forward() through a CUDA graph where graphs are on: it reads static buffers (`_st`, the arena, the feed
+        plan), the same memory at every step of a `step` call, and returns static logits.
 
-        ids and start are views of `_st`, the same memory at every step of a `step` call: the graph reads them
-        in place. The first call runs the step eagerly on a side stream (a real step: it writes the same K/V the
-        graph will), then captures it. A capture failure switches graphs off for this engine and records why."""
-        if self._graph is not None:
-            self._graph.replay()
+        The first call runs the step eagerly on a side stream (a real step: it writes the same K/V the graph
+        will), then captures it. A capture failure switches graphs off for this engine and records why."""
+        if not self.cuda_graphs:
+            return forward()
+        if name in self._graphs:
+            graph, out = self._graphs[name]
+            graph.replay()
             self.stats["graph_replays"] = self.stats.get("graph_replays", 0) + 1
-            return self._g_out
-        B, t0 = ids.shape[0], time.perf_counter()
+            return out
+        t0 = time.perf_counter()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            out = self._forward(0, B, ids, start, self._last0).clone()         # warm-up = this step's result
+            out = forward().clone()                                           # warm-up = this step's result
         torch.cuda.current_stream().wait_stream(side)
         try:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                self._g_out = self._forward(0, B, ids, start, self._last0)
-            self._graph = graph
+                self._graphs[name] = (graph, forward())
             self.stats["graph_captures"] = self.stats.get("graph_captures", 0) + 1
         except RuntimeError as e:   # capture is best effort: eager decode stays correct
-            self.cuda_graphs, self.graph_error, self._graph = False, f"{type(e).__name__}: {str(e)[:300]}", None
-        torch.cuda.synchronize(self.device)                  # once per `step` call: time the warm-up + capture
+            self.cuda_graphs, self.graph_error = False, f"{type(e).__name__}: {str(e)[:300]}"
+            self._graphs = {}
+        torch.cuda.synchronize(self.device)                  # once per graph and `step` call: time it
         self.stats["graph_capture_s"] += time.perf_counter() - t0
         return out
 
@@ -526,19 +549,22 @@ class Engine:
                 torch.rand(n, generator=ep.gen)                   # the n uniforms the row used
             self.fed[r.eid] += n - 1                              # its decode steps fed one token each
             self.stats["decode_tokens"] += n - 1
-            self._store(ep, r.eid, self.arena[:, :, a + i, :, :lens[i]])   # (layers, 2, Hkv, n, D) view
             results[r.eid] = (r.eid, toks, lp, "stop" if toks[-1] in self.stop_ids else "length")
             r.alive = False
             self._n_alive -= 1
             nxt = self._follow(results[r.eid]) if self._follow is not None else None
-            if nxt is not None:
-                self._follow_up(r.eid, nxt, results)
+            queue = []
+            if nxt is not None:      # the next turn (a "context" result instead, and follow asked again, if no room)
+                self._enqueue(r.eid, *_turn(nxt), results, queue, self._follow)
+            # the cache stays in the arena row unless turns wait for a row (they go first, as in a queue)
+            if queue and self._mixed and not self._queue and self._feed_in_place(a + i, *queue[0]):
+                continue
+            self._store(ep, r.eid, self.arena[:, :, a + i, :, :lens[i]])   # (layers, 2, Hkv, n, D) view
+            self._follow_up(queue)
 
-    def _follow_up(self, eid: Hashable, nxt, results: dict) -> None:
-        """Queue the episode's next turn in this run (the arena grows if needed; with a KV budget, or a budget over
-        the run's output columns, the turn waits for the next run)."""
-        queue = []
-        self._enqueue(eid, *_turn(nxt), results, queue, self._follow)
+    def _follow_up(self, queue: list[tuple[Hashable, int]]) -> None:
+        """Queue follow-up turns for admission in this run (the arena grows if needed; with a KV budget, or a budget
+        over the run's output columns, a turn waits for the next run)."""
         for eid, budget in queue:
             need = len(self.episodes[eid].ids) + budget
             if need > self.arena.shape[4] and self.kv_budget is None:
@@ -546,13 +572,100 @@ class Engine:
             fits = need <= self.arena.shape[4] and budget < self._out.shape[1]
             (self._queue if fits else self._later).append((eid, budget))
 
+    # ---- mixed steps: follow-up turns fed beside the decode ------------------------------------------
+
+    def _mixed_buffers(self, B: int) -> None:
+        """The feed plan a mixed step reads (static for CUDA graphs), staged on the host and copied in one go:
+        P feed slots (ids, rows, columns), then per arena row the logit row it samples from and its state after
+        the step where it was fed."""
+        blk = fused_ops.feed_block(self.cfg.num_attention_heads // self.n_kv)
+        P = -(-self.feed_tokens // blk) * blk
+        self._fd_host = torch.zeros(3 * P + 7 * B, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        self._fd = torch.zeros(3 * P + 7 * B, dtype=torch.long, device=self.device)
+        f = self._fd
+        self._fd_ids, self._fd_rows, self._fd_pos = f[:P], f[P:2 * P], f[2 * P:3 * P]          # (P,) each
+        self._fd_last = f[3 * P:3 * P + B]                                                     # (B,)
+        self._fd_set = f[3 * P + B:3 * P + 2 * B]                                              # (B,) 1 = fed
+        self._fd_val = f[3 * P + 2 * B:].view(5, B)                                            # LEN..DONE
+        self._fd_block, self._rowidx = blk, torch.arange(B, device=self.device)
+
+    def _feed_in_place(self, row: int, eid: Hashable, budget: int) -> bool:
+        """The episode's next turn continues in its arena row: its tokens are fed by the next mixed steps."""
+        ep = self.episodes[eid]
+        need = len(ep.ids) + budget
+        if budget >= self._out.shape[1]:
+            return False
+        if need > self.arena.shape[4]:
+            self._grow(need)
+        r = self.rows[row]
+        ep.n_cached = self._lens[row]                      # the arena row holds them (ep.kv stays None)
+        r.budget, r.feed = budget, ep.ids[ep.n_cached:]    # the pending sampled token, then the new ids
+        self._n_feed += 1
+        if self._u is not None:   # the row's uniforms for the turn, from a copy of its generator (as `_admit`)
+            g = torch.Generator()
+            g.set_state(ep.gen.get_state())
+            u = torch.zeros(self._u.shape[1])
+            u[:budget] = torch.rand(budget, generator=g)
+            self._u[row] = u.to(self.device, non_blocking=True)
+        return True
+
+    def _plan_feed(self) -> None:
+        """Fill this step's feed slots from the rows waiting to be fed, in row order; a row's chunk starts at a
+        block boundary. A row whose last token is fed samples its first token from it in this same step."""
+        B, P, blk = self._B, self._fd_ids.shape[0], self._fd_block
+        ids, rows, pos = [self.pad_id] * P, [B] * P, [0] * P     # padding: the scratch row, column 0
+        last, setl, val = list(range(B)), [0] * B, [[0] * B for _ in range(5)]
+        s = 0
+        for i, r in enumerate(self.rows):
+            if r.feed is None or s >= P:
+                continue
+            n, L = min(len(r.feed), P - s), self._lens[i]
+            ids[s:s + n], rows[s:s + n], pos[s:s + n] = r.feed[:n], [i] * n, range(L, L + n)
+            r.feed = r.feed[n:]
+            self._lens[i] = L + n
+            self.fed[r.eid] = self.fed.get(r.eid, 0) + n
+            self.stats["prefill_tokens"] += n
+            setl[i], val[0][i] = 1, L + n                         # LEN; LEFT, NOUT, ALIVE, DONE = 0
+            if not r.feed:                                        # fed: it samples now, from its last position
+                last[i] = B + s + n - 1
+                val[1][i], val[3][i] = r.budget, 1
+                r.feed, r.alive = None, True
+                self._n_feed -= 1
+                self._n_alive += 1
+            s += -(-n // blk) * blk
+        self.stats["prefill_positions"] += P
+        self._fd_host.copy_(torch.tensor(ids + rows + pos + last + setl + sum(val, [])))
+        self._fd.copy_(self._fd_host, non_blocking=True)
+
+    def _forward_mixed(self) -> torch.Tensor:
+        """A mixed step as one flat batch (1, B + P): the B arena rows' pending tokens (a row that does not sample
+        writes its keys to the scratch row), then the feed slots; logits (B, V) at each row's sample position."""
+        B, st = self._B, self._st
+        alive = st[ALIVE, :B]
+        rows = torch.cat([torch.where(alive > 0, self._rowidx, B), self._fd_rows])                   # (N,)
+        pos = torch.cat([st[LEN, :B] * alive, self._fd_pos])                                         # (N,)
+        ids = torch.cat([st[TOK, :B], self._fd_ids])[None]                                           # (1, N)
+        N, C = ids.shape[1], self.arena.shape[4]
+        cache = Cache(layers=[RaggedLayer(self.arena[l, 0], self.arena[l, 1], rows[None], pos[None])
+                              for l in range(self.n_layers)])
+        mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device).expand(1, 1, N, C)   # unread
+        begin_feed(Feed(B, rows[B:], pos[B:], pos[:B] + 1, self._fd_block))
+        try:
+            with self._engine_impl():
+                h = self.decoder(input_ids=ids, attention_mask=mask, position_ids=pos[None], use_cache=True,
+                                 **{self._cache_kw: cache}).last_hidden_state                     # (1, N, hidden)
+        finally:
+            end_forward()
+        self.stats["forwards"] += 1
+        return self.head(h[0, self._fd_last]).float()                                             # (B, V)
+
     def _grow(self, need: int) -> None:
-        """A wider arena (1.5x, or `need` columns) with the rows copied over; the decode graph is captured again."""
+        """A wider arena (2x, or `need` columns) with the rows copied over; the graphs are captured again."""
         C = self.arena.shape[4]
-        C2 = -(-max(need, C + C // 2) // 64) * 64
+        C2 = -(-max(need, 2 * C) // 64) * 64
         arena = self.arena.new_zeros(*self.arena.shape[:4], C2, self.arena.shape[5])   # (layers, 2, B, Hkv, C2, D)
         arena[:, :, :, :, :C] = self.arena
-        self.arena, self._cols, self._graph = arena, torch.arange(C2, device=self.device), None
+        self.arena, self._cols, self._graphs = arena, torch.arange(C2, device=self.device), {}
         self.stats["arena_grows"] += 1
         self._kv_resident()
 

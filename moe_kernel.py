@@ -72,7 +72,8 @@ class MoeCfg(NamedTuple):
 CONFIGS = [
     (8, MoeCfg(16, KernelCfg(32, 128, 4, 4), KernelCfg(32, 128, 4, 4))),
     (32, MoeCfg(16, KernelCfg(32, 128, 4, 4), KernelCfg(64, 128, 4, 3))),
-    (MAX_TOKENS, MoeCfg(16, KernelCfg(128, 128, 4, 3), KernelCfg(128, 128, 4, 4))),
+    (128, MoeCfg(16, KernelCfg(128, 128, 4, 3), KernelCfg(128, 128, 4, 4))),
+    (MAX_TOKENS, MoeCfg(32, KernelCfg(64, 128, 4, 3), KernelCfg(64, 128, 4, 3))),   # --sweep-tokens 256
 ]
 
 

@@ -12,6 +12,8 @@ Tests: python -m pytest -q tests/test_generate.py tests/test_fused_ops.py
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
@@ -35,6 +37,22 @@ def _per_forward(mask: torch.Tensor, name: str, make):
 _PER_FORWARD: dict = {}   # the forward's mask and what _per_forward made from it
 
 
+class Feed(NamedTuple):
+    """A mixed step's layout (generate.Engine): one flat batch of n_decode pending tokens, one per arena row, then
+    feed tokens of rows being prefilled, in blocks of `block` tokens of one row each."""
+    n_decode: int              # B
+    rows: torch.Tensor         # (P,) arena row of each feed token
+    pos: torch.Tensor          # (P,) its column (= RoPE position)
+    lens: torch.Tensor         # (B,) columns each pending token attends (its own included)
+    block: int                 # fused_ops.feed_block(G)
+
+
+def begin_feed(feed: Feed) -> None:
+    """The next forward is a mixed step laid out as `feed` (until `end_forward`)."""
+    _PER_FORWARD.clear()
+    _PER_FORWARD["feed"] = feed
+
+
 def end_forward() -> None:
     """Drop what the last forward derived from its mask (the engine calls this after each forward)."""
     _PER_FORWARD.clear()
@@ -46,6 +64,8 @@ def _ragged_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     Returns (B, q, Hq, D) like transformers' sdpa_attention_forward. decode: fused_ops.decode_attention for
     q = 1 (registered as ATTN_NAME + "_triton"), reading each row's keys only up to its length.
     """
+    if "feed" in _PER_FORWARD:
+        return _mixed_attention(query, key, value, _PER_FORWARD["feed"], _scale(query, scaling), decode), None
     B, Hq, q, D = query.shape
     Hkv = key.shape[1]
     G = Hq // Hkv
@@ -74,6 +94,40 @@ def _ragged_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         out = F.scaled_dot_product_attention(query, key.repeat_interleave(G, dim=1), value.repeat_interleave(G, dim=1),
                                              attn_mask=mask, scale=scaling)             # (B, Hq, q, D)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _scale(query: torch.Tensor, scaling: float | None) -> float:
+    return query.shape[-1] ** -0.5 if scaling is None else scaling
+
+
+def _mixed_attention(query, key, value, feed: Feed, scale: float, decode) -> torch.Tensor:
+    """A mixed step: query (1, Hq, N, D) = B pending tokens (token b of arena row b) then P feed tokens; key/value
+    (R, Hkv, C, D), the whole arena (R > B: the scratch row). Returns (1, N, Hq, D)."""
+    _, Hq, N, D = query.shape
+    B, Hkv, C = feed.n_decode, key.shape[1], key.shape[2]
+    G = Hq // Hkv
+    out = query.new_empty(N, Hq, D)
+    qd, kd, vd = query[0, :, :B].transpose(0, 1).unsqueeze(2), key[:B], value[:B]     # (B, Hq, 1, D), (B, Hkv, C, D)
+    if decode is not None and fused_ops.decode_attention_applies(qd, kd):
+        out[:B] = decode(qd, kd, vd, feed.lens, scale)[:, 0]
+    else:
+        cols = torch.arange(C, device=query.device)
+        mask = _additive((cols < feed.lens[:, None])[:, None, None], query.dtype)                 # (B, 1, 1, C)
+        o = F.scaled_dot_product_attention(qd.reshape(B, Hkv, G, D), kd, vd, attn_mask=mask, scale=scale)
+        out[:B] = o.reshape(B, Hq, D)
+    qf = query[0, :, B:]                                                                          # (Hq, P, D)
+    if fused_ops.feed_attention_applies(qf, key):
+        out[B:] = fused_ops.feed_attention(qf, key, value, feed.rows, feed.pos, scale)
+    else:   # torch: each block of feed tokens against its row's K/V (gathered), the G heads folded in
+        P, BQ = qf.shape[1], feed.block
+        nb = P // BQ
+        r = feed.rows[::BQ]                                                                       # (nb,)
+        q = qf.reshape(Hkv, G, nb, BQ, D).permute(2, 0, 1, 3, 4).reshape(nb, Hkv, G * BQ, D)
+        cols = torch.arange(C, device=query.device)
+        ok = (cols <= feed.pos.view(nb, 1, BQ, 1)).repeat(1, G, 1, 1).reshape(nb, 1, G * BQ, C)
+        o = F.scaled_dot_product_attention(q, key[r], value[r], attn_mask=_additive(ok, query.dtype), scale=scale)
+        out[B:] = o.reshape(nb, Hkv, G, BQ, D).permute(0, 3, 1, 2, 4).reshape(P, Hq, D)
+    return out[None]
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

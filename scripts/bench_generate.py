@@ -101,6 +101,9 @@ class BenchConfig:
     overlap: bool = False
     """engine: one `step` per turn (as policy.HFPolicy drives it; the turn waits for its longest row); --overlap:
     one `step(follow=)` call for all turns, each episode's next turn joining as soon as its row finishes"""
+    feed_tokens: int = 128
+    """engine, with --overlap: feed slots a decode step carries for follow-up turns (Engine(feed_tokens=)); 0: each
+    group of follow-ups is admitted by its own prefill forward"""
     static_batch: bool = False
     """engine decodes all arena rows every step, as with CUDA graphs (which imply it); for CPU runs"""
     kv_budget_gib: float | None = None
@@ -226,7 +229,7 @@ def profile_decode(eng, episodes: list, steps: int, toks, device: str, obs: int 
     modes = [("graphs", True), ("eager", False)] if eng.cuda_graphs and steps > 1 else [("eager", False)]
     for name, graphs in modes:
         saved = eng.cuda_graphs
-        eng.cuda_graphs, eng._graph = graphs, None
+        eng.cuda_graphs, eng._graphs = graphs, {}
         reqs = [(e, toks(obs), steps) for e in episodes]
         sync(device)
         with profile(activities=acts, record_shapes=steps == 1) as prof:
@@ -234,7 +237,7 @@ def profile_decode(eng, episodes: list, steps: int, toks, device: str, obs: int 
             outs = eng.step(reqs)
             sync(device)
             wall = time.perf_counter() - t0
-        eng.cuda_graphs, eng._graph = saved, None
+        eng.cuda_graphs, eng._graphs = saved, {}
         n = max(len(o[1]) for o in outs)
         kern = [e for e in prof.key_averages() if dev_t(e) > 0 and str(getattr(e, "device_type", "")).endswith("CUDA")]
         kern.sort(key=dev_t, reverse=True)
@@ -242,7 +245,7 @@ def profile_decode(eng, episodes: list, steps: int, toks, device: str, obs: int 
         groups = {g: 0.0 for g, _ in KERNEL_GROUPS}
         for e in kern:
             groups[next(g for g, rx in KERNEL_GROUPS if re.search(rx, e.key, re.I))] += dev_t(e) / 1e3 / n
-        top = [(e.key[:80], dev_t(e) / 1e3 / n, e.count / n) for e in kern[:12]]
+        top = [(e.key[:80], dev_t(e) / 1e3 / n, e.count / n) for e in kern[:30]]
         what = "decode" if steps > 1 else f"admission ({obs}-token observations)"
         print(f"\n#### {what} profile ({name}): {len(episodes)} rows, {n} steps (incl. the {obs}-token prefill step); "
               f"wall {1e3 * wall / n:.2f} ms/step, kernels {total:.2f} ms/step")
@@ -486,7 +489,7 @@ def main(cfg: BenchConfig) -> int:
                  temperature=cfg.temperature, seed=cfg.seed, stop_ids=stop_ids, experts=cfg.experts,
                  fused=None if cfg.fused else False, attention=None if cfg.attention == "auto" else cfg.attention,
                  cuda_graphs=cfg.cuda_graphs, static_batch=cfg.static_batch, kv_budget_gib=cfg.kv_budget_gib,
-                 kv_evict=cfg.kv_evict)
+                 kv_evict=cfg.kv_evict, feed_tokens=cfg.feed_tokens)
 
     cp = CriticalPath()
     if cfg.stub_forward:
@@ -577,6 +580,8 @@ def main(cfg: BenchConfig) -> int:
     print(f"| engine seconds in admissions (cache loads, prefill, first sample); in graph captures | "
           f"{res['admit_s']:.2f}; {res['capture_s']:.2f} |")
     print(f"| ms per decode step without them | {res['decode_ms_per_step']:.2f} |")
+    print(f"| admissions; decode steps that fed follow-up turns (mixed steps) | {eng.stats['admissions']}; "
+          f"{eng.stats.get('feed_steps', 0)} |")
     print(f"| host CPU ms per decode step (process time, all threads, incl. admissions) | "
           f"{res['engine_cpu_ms_per_step']:.2f} |")
     if syncs:

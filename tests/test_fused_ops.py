@@ -148,6 +148,66 @@ def test_gpu_decode_attention_bf16_graph_replay():
         torch.testing.assert_close(out.float(), sdpa_decode(q, k, v, lens).float(), rtol=2e-2, atol=2e-2)
 
 
+def feed_layout(B, HK, G, C, D, dtype, chunks, seed=0):
+    """A mixed step's feed: each (row, start, n) chunk of consecutive positions at a block boundary, padding slots
+    on the scratch row B at column 0; the query (Hq, P, D) a view of a wider flat batch, K/V arena views."""
+    blk = fused_ops.feed_block(G)
+    rows, pos = [], []
+    for r, start, n in chunks:
+        pad = -(-n // blk) * blk - n
+        rows += [r] * n + [B] * pad
+        pos += list(range(start, start + n)) + [0] * pad
+    rows += [B] * blk                                                  # one all-padding block
+    pos += [0] * blk
+    g = torch.Generator().manual_seed(seed)
+    arena = torch.randn(2, B + 2, HK, C, D, generator=g).to(DEV, dtype)
+    P = len(rows)
+    q = torch.randn(1, HK * G, B + P, D, generator=g).to(DEV, dtype)[0, :, B:]              # (Hq, P, D)
+    return q, arena[0, 1:], arena[1, 1:], torch.tensor(rows, device=DEV), torch.tensor(pos, device=DEV)
+
+
+def sdpa_feed(q, k, v, rows, pos):
+    """Token by token: token t against columns [0, pos[t]] of row rows[t], the heads of a kv head grouped."""
+    HQ, P, D = q.shape
+    HK = k.shape[1]
+    out = []
+    for t in range(P):
+        n = int(pos[t]) + 1
+        o = torch.nn.functional.scaled_dot_product_attention(q[:, t].reshape(HK, HQ // HK, D),
+                                                             k[rows[t], :, :n], v[rows[t], :, :n])
+        out.append(o.reshape(HQ, D))
+    return torch.stack(out)                                                               # (P, Hq, D)
+
+
+@pytest.mark.parametrize("HK,G,C,D,chunks", [(2, 2, 200, 16, [(0, 0, 70), (2, 130, 5)]),
+                                             (1, 8, 1300, 32, [(1, 0, 17), (0, 620, 40), (2, 3, 1)])])
+def test_feed_attention_matches_sdpa_fp32(HK, G, C, D, chunks):
+    """Chunks of one row per block (a row's first tokens, a continuation deep in its context, one token), padding
+    slots and an all-padding block; at 1,300 columns two column splits, one block's tokens on both sides of the
+    split boundary (640)."""
+    q, k, v, rows, pos = feed_layout(3, HK, G, C, D, torch.float32, chunks, seed=C)
+    assert fused_ops.feed_attention_applies(q, k)
+    out = fused_ops.feed_attention(q, k, v, rows, pos, D ** -0.5)
+    real = rows < 3
+    torch.testing.assert_close(out[real], sdpa_feed(q, k, v, rows, pos)[real], rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.gpu
+def test_gpu_feed_attention_bf16_graph_replay():
+    """A3B shape in bf16 (4 kv heads, 8 query heads each, 4,096 columns): captured once, replayed on new queries."""
+    q, k, v, rows, pos = feed_layout(32, 4, 8, 4096, 128, torch.bfloat16, [(3, 0, 200), (7, 3800, 40)])
+    fused_ops.feed_attention(q, k, v, rows, pos, 128 ** -0.5)                 # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_ops.feed_attention(q, k, v, rows, pos, 128 ** -0.5)
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    real = rows < 32
+    torch.testing.assert_close(out[real].float(), sdpa_feed(q, k, v, rows, pos)[real].float(), rtol=2e-2,
+                               atol=2e-2)
+
+
 @pytest.mark.gpu
 def test_gpu_bf16_within_an_ulp_and_graph_replay():
     q, k, cos, sin = rotary_inputs(32, 1, 32, 4, 128, torch.bfloat16)

@@ -195,16 +195,28 @@ def run_follow(model, script, **kw):
     return outs, eng, order
 
 
-def test_follow_ups_equal_turn_by_turn(model):
+def test_follow_ups_equal_turn_by_turn(model, monkeypatch):
     """step(follow=...) overlaps turns across episodes (and widens the arena as contexts grow) with the same
-    tokens and log-probs as one `step` per turn, sampled and greedy, dynamic and static (CUDA-graph) batches."""
+    tokens and log-probs as one `step` per turn, sampled and greedy, dynamic and static (CUDA-graph) batches;
+    follow-ups fed through mixed steps (in chunks of 256 or 8 slots a step; the feed attention through Triton
+    where it runs, else torch) or admitted by their own prefill forwards (feed_tokens=0)."""
+    import fused_ops
     script = long_script(6, 5, seed=21)
     for kw in (dict(temperature=0.8, top_p=0.9, seed=4), dict(temperature=0.0)):
         ref, _ = run_engine(model, script, max_batch=4, **kw)
-        for mb, static in ((4, False), (6, True), (2, False)):
-            outs, eng, order = run_follow(model, script, max_batch=mb, static_batch=static, **kw)
+        for mb, static, feed in ((4, False, 256), (6, True, 256), (2, False, 256), (6, True, 8), (4, False, 0),
+                                 (6, True, "torch")):
+            with monkeypatch.context() as mp:
+                if feed == "torch":
+                    mp.setattr(fused_ops, "feed_attention_applies", lambda *a: False)
+                outs, eng, order = run_follow(model, script, max_batch=mb, static_batch=static,
+                                              feed_tokens=8 if feed == "torch" else feed, **kw)
             assert_same(outs, ref, tol=1e-5)
             assert eng.stats["arena_grows"] >= 1, eng.stats              # 120-token prompts, then +5..37 a turn
+            if feed and mb == len(script):   # a row per episode: every follow-up fed in place, one admission
+                assert eng.stats["feed_steps"] > 0 and eng.stats["admissions"] == 1, eng.stats
+            elif not feed:
+                assert eng.stats["feed_steps"] == 0 and eng.stats["admissions"] > len(script), eng.stats
             if mb == len(script):   # a row per episode: some episode is a turn ahead of another at some point
                 turns = [t for _, t in order]
                 assert turns != sorted(turns), "no episode began a turn before all had finished the previous one"
@@ -244,6 +256,11 @@ def test_cuda_graph_decode_matches_eager():
     graph, eng = run_engine(m, script, max_batch=4, temperature=0.0, cuda_graphs=True)
     assert eng.graph_error is None, eng.graph_error
     assert eng.stats.get("graph_replays", 0) > 0, eng.stats
+    assert_same(graph, eager, tol=1e-3)
+    script = long_script(4, 4, seed=23)      # follow-ups fed through mixed steps: their graph too
+    eager, _, _ = run_follow(m, script, max_batch=4, temperature=0.0, static_batch=True)
+    graph, eng, _ = run_follow(m, script, max_batch=4, temperature=0.0, cuda_graphs=True)
+    assert eng.graph_error is None and eng.stats["feed_steps"] > 0, (eng.graph_error, eng.stats)
     assert_same(graph, eager, tol=1e-3)
 
 
