@@ -10,7 +10,7 @@ and a batch waits for its longest row. `Engine` removes both costs:
     leave, waiting requests join mid-turn. With `step(..., follow=fn)` an episode's next turn joins as soon
     as its row finishes (turns overlap across episodes): it stays in its arena row and its new tokens ride in
     the next decode steps (`feed_tokens` slots a step, "mixed" steps, one CUDA graph), so no eager prefill
-    forward re-reads the weights for it (at the A3B shape 1,328 tok/s against 1,222 one `step` per turn,
+    forward re-reads the weights for it (at the A3B shape 1,285-1,336 tok/s against 1,257 one `step` per turn,
     docs/RESULTS.md §3).
   * Each episode has its own CPU torch.Generator and one uniform draw per token, so samples do not depend on
     the batch; returned log-probs are log_softmax(logits) at temperature 1, unfiltered.
@@ -476,7 +476,8 @@ class Engine:
         else:
             n = self._B if self.static_batch else len(self.rows)
             ids, start = st[TOK, :n, None], st[LEN, :n]                                             # (B, 1), (B,)
-            logits = self._graphed("decode", lambda: self._forward(0, n, ids, start, self._last0[:n]))  # (B, V)
+            logits = self._graphed("decode", lambda: self._forward(0, n, ids, start, self._last0[:n],
+                                                                   st[ALIVE, :n] > 0))             # (B, V)
             start += st[ALIVE, :n]                               # the fed token is cached now (start is _st[LEN])
         self.stats["decode_positions"] += n
         self.stats["decode_steps"] += 1
@@ -650,8 +651,8 @@ class Engine:
                               for l in range(self.n_layers)])
         mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device).expand(1, 1, N, C)   # unread
         begin_feed(Feed(B, rows[B:], pos[B:], pos[:B] + 1, self._fd_block))
-        try:
-            with self._engine_impl():
+        try:   # the experts skip the padding slots and the rows that do not sample (moe_kernel.live_tokens)
+            with self._engine_impl(), moe_kernel.live_tokens(rows < B):
                 h = self.decoder(input_ids=ids, attention_mask=mask, position_ids=pos[None], use_cache=True,
                                  **{self._cache_kw: cache}).last_hidden_state                     # (1, N, hidden)
         finally:
@@ -763,16 +764,21 @@ class Engine:
             if self.experts:
                 self.model.set_experts_implementation(old_exp)
 
-    def _forward(self, a: int, b: int, ids: torch.Tensor, start: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-        """Rows a..b-1 of the arena: ids (B, q) written at columns start_b + j; returns logits at j = last_b, (B, V)."""
+    def _forward(self, a: int, b: int, ids: torch.Tensor, start: torch.Tensor, last: torch.Tensor,
+                 live: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows a..b-1 of the arena: ids (B, q) written at columns start_b + j; returns logits at j = last_b, (B, V).
+        The MoE experts skip padding (j > last_b) and rows where live (B,) is False (moe_kernel.live_tokens)."""
         B, q = ids.shape
         pos = start[:, None] + self._cols[:q]                                            # (B, q) = columns
         mask = (self._cols <= pos[:, :, None])[:, None]                                  # (B, 1, q, C) causal per row
         rows = torch.arange(B, device=self.device)[:, None]                              # (B, 1)
         cache = Cache(layers=[RaggedLayer(self.arena[l, 0, a:b], self.arena[l, 1, a:b], rows, pos)
                               for l in range(self.n_layers)])
+        real = self._cols[:q] <= last[:, None]                                            # (B, q)
+        if live is not None:
+            real = real & live[:, None]
         try:
-            with self._engine_impl():
+            with self._engine_impl(), moe_kernel.live_tokens(real.reshape(-1)):
                 h = self.decoder(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
                                  **{self._cache_kw: cache}).last_hidden_state            # (B, q, hidden)
         finally:

@@ -32,6 +32,7 @@ Bench: python scripts/bench_moe.py                   (H200, < 90 s)
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import NamedTuple
 
@@ -51,6 +52,20 @@ except ImportError as e:  # CPU CI may not have it: the name is then simply not 
 
 NAME = "fused"
 MAX_TOKENS = 256          # more tokens than this: transformers' grouped_mm (prefill)
+_LIVE: list = [None]      # (T,) bool while `live_tokens` is active
+
+
+@contextlib.contextmanager
+def live_tokens(live: torch.Tensor | None):
+    """Inside the block, fused experts calls over live.shape[0] tokens skip the tokens where live is False (their
+    experts' output is 0). generate.Engine marks the padding and the finished rows that its static batches
+    carry: identical pad tokens all route to the same 8 experts, whose weights are then read once per BLOCK_M
+    of them, and a finished row's token touches 8 experts of its own."""
+    _LIVE[0] = live
+    try:
+        yield
+    finally:
+        _LIVE[0] = None
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -214,10 +229,13 @@ def _nk_strides(w: torch.Tensor, transposed: bool) -> tuple[int, int, int]:
 
 
 def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k_index: torch.Tensor,
-              top_k_weights: torch.Tensor, transposed: bool = False, cfg: MoeCfg | None = None) -> torch.Tensor:
+              top_k_weights: torch.Tensor, transposed: bool = False, cfg: MoeCfg | None = None,
+              live: torch.Tensor | None = None) -> torch.Tensor:
     """sum_k w[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = top_k_index[t, k]: x (T, H) -> (T, H).
 
-    gate_up (E, 2I, H) [gate; up] and down (E, H, I), or (E, H, 2I) and (E, I, H) with transposed=True."""
+    gate_up (E, 2I, H) [gate; up] and down (E, H, I), or (E, H, 2I) and (E, I, H) with transposed=True.
+    live (T,) bool: tokens where it is False get 0 and no pair (their expert ids become -1, which no expert
+    counts)."""
     T, H = x.shape
     top_k = top_k_index.shape[-1]
     E = gate_up.shape[0]
@@ -226,10 +244,12 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k_
     cfg = cfg or pick_config(T)
     x = x.to(gate_up.dtype).contiguous()
     rw = top_k_weights.reshape(-1).contiguous()                                       # (S,)
+    if live is not None:
+        top_k_index = torch.where(live[:, None], top_k_index, -1)
     order, block_expert, total = align(top_k_index.contiguous(), E, cfg.block_m)
     n_blocks = block_expert.shape[0]
     h = torch.empty(S, I, dtype=gate_up.dtype, device=x.device)                       # (S, I)
-    out = torch.empty(S, H, dtype=x.dtype, device=x.device)                           # (S, H) pair rows
+    out = (torch.empty if live is None else torch.zeros)(S, H, dtype=x.dtype, device=x.device)   # (S, H) pairs
     kw = dict(BLOCK_M=cfg.block_m, UPCAST=INTERPRET, PRECISION=dot_precision(gate_up.dtype))
     c = cfg.gate_up
     _gate_up_kernel[(n_blocks, triton.cdiv(I, c.block_n))](
@@ -295,7 +315,8 @@ def fused_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.
             getattr(self, "is_transposed", False))
     if why_not_fused(self, hidden_states, any_size=True) is None:
         if hidden_states.shape[0] <= MAX_TOKENS:
-            return fused_moe(*args).to(hidden_states.dtype)
+            live = _LIVE[0] if _LIVE[0] is not None and _LIVE[0].shape[0] == hidden_states.shape[0] else None
+            return fused_moe(*args, live=live).to(hidden_states.dtype)
         if hidden_states.is_cuda:                                  # prefill: CUTLASS grouped GEMMs, unmasked
             return grouped_moe(*args).to(hidden_states.dtype)
     return ALL_EXPERTS_FUNCTIONS["grouped_mm"](self, hidden_states, top_k_index, top_k_weights)

@@ -118,6 +118,10 @@ class BenchConfig:
     profile_prefill: bool = False
     """one extra turn under torch.profiler whose observations are obs_tokens long and whose budget is 1 token:
     the device time of an admission (cache loads, prefill, first sample) by kernel group"""
+    profile_mixed: int = 0
+    """> 0: one extra overlapped call under torch.profiler: each episode samples budgets of up to this many tokens,
+    then one follow-up turn (an obs_tokens/2..obs_tokens observation, the same budget) fed through mixed steps;
+    device time per kernel and the counts of decode and mixed steps"""
     seed: int = 0
     """seed for weights and workload"""
     out: str | None = None
@@ -268,6 +272,37 @@ def profile_decode(eng, episodes: list, steps: int, toks, device: str, obs: int 
         out[name] = dict(rows=len(episodes), steps=n, wall_ms_per_step=1e3 * wall / n, device_ms_per_step=total,
                          groups=groups, top=top, ops=ops)
     return out
+
+
+def profile_mixed(eng, episodes: list, steps: int, toks, device: str, obs: int) -> dict:
+    """One overlapped `step(follow=)` call under torch.profiler (see BenchConfig.profile_mixed): device ms per
+    kernel over the whole call, with the number of decode steps and of those that fed follow-ups."""
+    from torch.profiler import ProfilerActivity, profile
+    rng = random.Random(1)
+    dev_t = lambda e: getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)  # noqa: E731
+    turns = {e: 0 for e in episodes}
+
+    def follow(res):
+        turns[res[0]] += 1
+        return (toks(rng.randint(obs // 2, obs)), rng.randint(steps // 2, steps)) if turns[res[0]] == 1 else None
+
+    s0 = dict(eng.stats)
+    sync(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        eng.step([(e, toks(1), rng.randint(steps // 2, steps)) for e in episodes], follow=follow)
+        sync(device)
+        wall = time.perf_counter() - t0
+    n, mixed = eng.stats["decode_steps"] - s0["decode_steps"], eng.stats["feed_steps"] - s0["feed_steps"]
+    kern = [e for e in prof.key_averages() if dev_t(e) > 0 and str(getattr(e, "device_type", "")).endswith("CUDA")]
+    kern.sort(key=dev_t, reverse=True)
+    total = sum(dev_t(e) for e in kern) / 1e3
+    print(f"\n#### overlapped call profile: {len(episodes)} rows, {n} decode steps of which {mixed} fed follow-ups; "
+          f"wall {1e3 * wall:.1f} ms, kernels {total:.1f} ms\n| kernel | ms in the call (launches) |\n|---|---:|")
+    top = [(e.key[:80], dev_t(e) / 1e3, e.count) for e in kern[:30]]
+    for k, ms, c in top:
+        print(f"| `{k}` | {ms:.2f} ({c}) |")
+    return dict(steps=n, mixed_steps=mixed, wall_ms=1e3 * wall, device_ms=total, top=top)
 
 
 class CriticalPath:
@@ -614,9 +649,12 @@ def main(cfg: BenchConfig) -> int:
         print(f"| peak GPU memory allocated | {res['peak_mem_gb']:.1f} GiB |")
     if cfg.profile_steps:
         res["profile"] = profile_decode(eng, list(range(cfg.episodes)), cfg.profile_steps, toks, device)
+    if cfg.profile_mixed:
+        res["profile_mixed"] = profile_mixed(eng, list(range(cfg.episodes)), cfg.profile_mixed, toks, device,
+                                             cfg.obs_tokens)
     if cfg.profile_prefill:
         res["profile_prefill"] = profile_decode(eng, list(range(cfg.episodes)), 1, toks, device, obs=cfg.obs_tokens)
-    if cfg.profile_steps or cfg.profile_prefill:
+    if cfg.profile_steps or cfg.profile_prefill or cfg.profile_mixed:
         if cfg.out:
             with open(cfg.out, "w") as f:
                 json.dump(res, f, indent=1)

@@ -258,10 +258,11 @@ def test_cuda_graph_decode_matches_eager():
     assert eng.stats.get("graph_replays", 0) > 0, eng.stats
     assert_same(graph, eager, tol=1e-3)
     script = long_script(4, 4, seed=23)      # follow-ups fed through mixed steps: their graph too
-    eager, _, _ = run_follow(m, script, max_batch=4, temperature=0.0, static_batch=True)
-    graph, eng, _ = run_follow(m, script, max_batch=4, temperature=0.0, cuda_graphs=True)
-    assert eng.graph_error is None and eng.stats["feed_steps"] > 0, (eng.graph_error, eng.stats)
-    assert_same(graph, eager, tol=1e-3)
+    for experts in (None, "fused"):          # fused: padding and finished rows skip the experts
+        eager, _, _ = run_follow(m, script, max_batch=4, temperature=0.0, static_batch=True, experts=experts)
+        graph, eng, _ = run_follow(m, script, max_batch=4, temperature=0.0, cuda_graphs=True, experts=experts)
+        assert eng.graph_error is None and eng.stats["feed_steps"] > 0, (eng.graph_error, eng.stats)
+        assert_same(graph, eager, tol=1e-3)
 
 
 def test_triton_decode_attention_matches_plain(model, monkeypatch):

@@ -86,6 +86,23 @@ def test_matches_eager_fp32(T, K, experts):
     torch.testing.assert_close(out, eager(ex, x, idx, w), rtol=1e-4, atol=1e-5)
 
 
+def test_live_tokens_skip_the_others(fused_calls):
+    """live=False tokens get 0 and no pair (a block per 16 identical padding tokens would read their experts'
+    weights again); live ones match eager. Through the interface, `live_tokens` applies to calls of its size."""
+    ex = make_experts(16, 48, 40, 2)
+    x = torch.randn(37, 48, device=DEV)
+    idx, w = route(37, 16, 2, seed=3)
+    live = torch.rand(37, generator=torch.Generator().manual_seed(0)).to(DEV) < 0.6
+    out = mk.fused_moe(x, ex.gate_up_proj.detach(), ex.down_proj.detach(), idx, w, cfg=SMALL, live=live)
+    torch.testing.assert_close(out[live], eager(ex, x, idx, w)[live], rtol=1e-4, atol=1e-5)
+    assert (out[~live] == 0).all()
+    ex.config._experts_implementation = mk.register()
+    with torch.no_grad(), mk.live_tokens(live):
+        a, b = ex(x, idx, w), ex(x[:5], idx[:5], w[:5])                  # 37 tokens: masked; 5: not
+    assert (a[~live] == 0).all() and len(fused_calls) == 3
+    torch.testing.assert_close(b, eager(ex, x[:5], idx[:5], w[:5]), rtol=1e-4, atol=1e-5)
+
+
 def test_transposed_layout():
     """(E, H, 2I) / (E, I, H) weights (is_transposed experts) give the same result through strides only."""
     ex = make_experts(8, 32, 32, 2)
