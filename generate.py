@@ -419,12 +419,8 @@ class Engine:
                 self.rows.append(_Row(eid, budget))
                 self._lens[r0 + i] = ep.n_cached
         self._n_alive += len(group)
-        if self._u is not None:   # each row's uniforms for its whole budget, from a copy of its generator
-            u = torch.zeros(len(group), self._u.shape[1])                                  # (k, T + 1)
-            for i, (eid, budget) in enumerate(group):
-                g = torch.Generator()
-                g.set_state(self.episodes[eid].gen.get_state())
-                u[i, :budget] = torch.rand(budget, generator=g)
+        if self._u is not None:
+            u = torch.stack([self._uniforms(eid, budget) for eid, budget in group])          # (k, T + 1)
             self._u[r0:r0 + len(group)] = u.to(self.device, non_blocking=True)
         C = self.arena.shape[4]
         i = 0
@@ -602,13 +598,18 @@ class Engine:
         ep.n_cached = self._lens[row]                      # the arena row holds them (ep.kv stays None)
         r.budget, r.feed = budget, ep.ids[ep.n_cached:]    # the pending sampled token, then the new ids
         self._n_feed += 1
-        if self._u is not None:   # the row's uniforms for the turn, from a copy of its generator (as `_admit`)
-            g = torch.Generator()
-            g.set_state(ep.gen.get_state())
-            u = torch.zeros(self._u.shape[1])
-            u[:budget] = torch.rand(budget, generator=g)
-            self._u[row] = u.to(self.device, non_blocking=True)
+        if self._u is not None:
+            self._u[row] = self._uniforms(eid, budget).to(self.device, non_blocking=True)
         return True
+
+    def _uniforms(self, eid: Hashable, budget: int) -> torch.Tensor:
+        """A row's uniforms for its whole budget, (T + 1,), from a copy of its episode's generator (the generator
+        itself advances by the number used when the row finishes)."""
+        g = torch.Generator()
+        g.set_state(self.episodes[eid].gen.get_state())
+        u = torch.zeros(self._u.shape[1])
+        u[:budget] = torch.rand(budget, generator=g)
+        return u
 
     def _plan_feed(self) -> None:
         """Fill this step's feed slots from the rows waiting to be fed, in row order; a row's chunk starts at a
