@@ -9,10 +9,14 @@ chains made up most of them, per layer:
     rotate_half is two slices, a negation and a cat: ten kernels. `_rope_kernel`: one, for q and k.
   * the MoE router after its gate GEMM, HF's `Qwen3MoeTopKRouter`: an fp32 softmax over the experts, top-k,
     the top-k renormalised to sum 1, a cast: five or six kernels. `_router_kernel`: one (the GEMM stays cuBLAS).
-And, opt-in (`Engine(attention="triton")`), `decode_attention`: one decode step's attention over the engine's
-ragged KV arena, split-K flash decoding that reads each row's keys only up to its length, where torch's SDPA
-with a boolean mask reads every arena column and the mask (~40 % of the KV-read bound at ~3,500 tokens of
-context). Tested against SDPA (fp32 on the interpreter; bf16 and graph replay on a GPU); not yet timed.
+The engine's attentions (ragged_attention.attention_forward) use `attention_prologue`: the q/k RMSNorms, the
+rotary embedding and the K/V write into the arena in one launch after the projections. `copy_kv` moves KV
+blocks between arena rows and caches in one launch.
+`decode_attention` (the engine's default on CUDA, `Engine(attention="triton")`): one decode step's attention over
+the engine's ragged KV arena, split-K flash decoding that reads each row's keys only up to its length, where
+torch's SDPA with a boolean mask reads every arena column and the mask (~40 % of the KV-read bound at ~3,500
+tokens of context); `feed_attention` the same for a mixed step's feed tokens. Tested against SDPA (fp32 on the
+interpreter; bf16 and graph replay on a GPU).
 
 The rotary and router kernels compute in fp32 and round once at the end, where HF rounds after each bf16 op:
 outputs differ by about a bf16 ulp (the trainer recomputes log-probs with the model's own forward, paper §3.3).
@@ -50,6 +54,9 @@ except ImportError as e:  # CPU CI may not have it: patch() then changes nothing
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ROUTERS = ("Qwen3MoeTopKRouter",)   # softmax -> top-k -> (renormalise) routers, HF's code as in transformers 5
+# attentions whose forward is q/k/v projections, optional per-head q/k RMSNorms, HF's rotary embedding, the cache
+# update, the attention function and o_proj, nothing else (no gates, sinks or partial rotary)
+ATTENTIONS = ("Qwen3MoeAttention", "Qwen3Attention", "Qwen2MoeAttention", "Qwen2Attention", "LlamaAttention")
 MAX_EXPERTS = 1024
 
 
@@ -210,6 +217,70 @@ if triton is not None:
             tl.store(base + D + 1, l_i, mask=valid)
 
 
+    @triton.jit
+    def _prologue_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr, kc_ptr, vc_ptr, rows_ptr,
+                         cols_ptr, L, HQ, eps_q, eps_k, s_qb, s_ql, s_kb, s_kl, s_vb, s_vl, s_cb, s_cl, s_rb,
+                         s_rl, s_pb, s_pl,
+                         s_kcb, s_kch, s_kcc, s_vcb, s_vch, s_vcc, D: tl.constexpr, NORM: tl.constexpr,
+                         BLOCK: tl.constexpr):
+        """Program (t, h), token t = b * L + l: h < HQ: query head h -> qo[t, h]; else key and value head
+        h - HQ -> the arena at (rows[b, l], h - HQ, cols[b, l]). Heads are RMS-normalised (NORM) and rotated in
+        fp32 and rounded once."""
+        t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        b, l = t // L, t % L
+        HALF: tl.constexpr = D // 2
+        d = tl.arange(0, BLOCK)
+        m = d < HALF
+        c1 = tl.load(cos_ptr + b * s_cb + l * s_cl + d, mask=m, other=0).to(tl.float32)
+        c2 = tl.load(cos_ptr + b * s_cb + l * s_cl + HALF + d, mask=m, other=0).to(tl.float32)
+        s1 = tl.load(sin_ptr + b * s_cb + l * s_cl + d, mask=m, other=0).to(tl.float32)
+        s2 = tl.load(sin_ptr + b * s_cb + l * s_cl + HALF + d, mask=m, other=0).to(tl.float32)
+        is_q = h < HQ
+        if is_q:
+            src, w_ptr, eps = q_ptr + b * s_qb + l * s_ql + h * D, qw_ptr, eps_q
+        else:
+            src, w_ptr, eps = k_ptr + b * s_kb + l * s_kl + (h - HQ) * D, kw_ptr, eps_k
+        x1 = tl.load(src + d, mask=m, other=0).to(tl.float32)
+        x2 = tl.load(src + HALF + d, mask=m, other=0).to(tl.float32)
+        if NORM:
+            r = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
+            x1 = x1 * r * tl.load(w_ptr + d, mask=m, other=0).to(tl.float32)
+            x2 = x2 * r * tl.load(w_ptr + HALF + d, mask=m, other=0).to(tl.float32)
+        o1 = x1 * c1 - x2 * s1
+        o2 = x2 * c2 + x1 * s2
+        if is_q:
+            dst = qo_ptr + (t * HQ + h) * D
+            tl.store(dst + d, o1.to(qo_ptr.dtype.element_ty), mask=m)
+            tl.store(dst + HALF + d, o2.to(qo_ptr.dtype.element_ty), mask=m)
+        else:
+            hk = h - HQ
+            row = tl.load(rows_ptr + b * s_rb + l * s_rl).to(tl.int64)
+            col = tl.load(cols_ptr + b * s_pb + l * s_pl).to(tl.int64)
+            kd = kc_ptr + row * s_kcb + hk * s_kch + col * s_kcc
+            tl.store(kd + d, o1.to(kc_ptr.dtype.element_ty), mask=m)
+            tl.store(kd + HALF + d, o2.to(kc_ptr.dtype.element_ty), mask=m)
+            vs = v_ptr + b * s_vb + l * s_vl + hk * D
+            vd = vc_ptr + row * s_vcb + hk * s_vch + col * s_vcc
+            tl.store(vd + d, tl.load(vs + d, mask=m), mask=m)
+            tl.store(vd + HALF + d, tl.load(vs + HALF + d, mask=m), mask=m)
+
+
+    @triton.jit
+    def _copy_kv_kernel(src_ptr, dst_ptr, n, H, s0, s1, s2, s3, d0, d1, d2, d3, D: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
+        """Program (i, j), i = (layer * 2 + kv) * H + head: rows [j * BLOCK_N, (j + 1) * BLOCK_N) of that (n, D)
+        slab; int64 offsets throughout."""
+        i, j = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        a, h = i // H, i % H
+        layer, kv = a // 2, a % 2
+        r = j * BLOCK_N + tl.arange(0, BLOCK_N)
+        d = tl.arange(0, D)
+        m = (r < n)[:, None]
+        src = src_ptr + layer * s0 + kv * s1 + h * s2 + r.to(tl.int64)[:, None] * s3 + d[None, :]
+        dst = dst_ptr + layer * d0 + kv * d1 + h * d2 + r.to(tl.int64)[:, None] * d3 + d[None, :]
+        tl.store(dst, tl.load(src, mask=m), mask=m)
+
+
 def _runs_here(*ts: torch.Tensor) -> bool:
     """The kernels apply: triton is importable, no autograd, CUDA tensors (or CPU ones under the interpreter)."""
     return (triton is not None and not (torch.is_grad_enabled() and any(t.requires_grad for t in ts))
@@ -237,6 +308,66 @@ def rope_applies(q, k, cos, sin, unsqueeze_dim: int) -> bool:
             and cos.shape[-1] == D and k.shape[-1] == D and D % 2 == 0 and q.stride(-1) == 1 and k.stride(-1) == 1
             and q.shape[2] == k.shape[2] == cos.shape[1] and cos.shape[0] in (1, q.shape[0]) and q.dtype == k.dtype
             and _runs_here(q, k, cos, sin))
+
+
+def copy_kv(dst: torch.Tensor, src: torch.Tensor, kernel: bool | None = None) -> torch.Tensor:
+    """dst[...] = src for KV blocks (layers, 2, Hkv, n, D), arena views or contiguous caches, in one launch.
+
+    Why: an arena row's view spans more than 2^31 elements of the arena, so torch splits its copy into several
+    launches of its unvectorised strided kernel: a 3,500-token row at the A3B shape took 0.47 ms in 8 launches
+    on an H200, this kernel 0.20 ms (3.5 TB/s read + write; scripts/bench_kv_host.py), for every cache stored,
+    reloaded or moved. kernel None: the kernel on CUDA tensors, torch's `copy_` on CPU ones (True: the kernel
+    wherever it runs, e.g. under the interpreter); `copy_` where it cannot run or D is not a power of two."""
+    D = src.shape[-1]
+    if kernel is None:
+        kernel = src.is_cuda
+    if not kernel or triton is None or src.shape != dst.shape or src.dim() != 5 or src.shape[1] != 2 or D < 16 \
+            or D != triton.next_power_of_2(D) \
+            or src.stride(-1) != 1 or dst.stride(-1) != 1 or src.dtype != dst.dtype or not _runs_here(src, dst):
+        return dst.copy_(src)
+    L, two, H, n, _ = src.shape
+    if src.numel():
+        block = max(1, min(64, 8192 // D))
+        _copy_kv_kernel[(L * two * H, triton.cdiv(n, block))](src, dst, n, H, *src.stride()[:4], *dst.stride()[:4],
+                                                             D=D, BLOCK_N=block)
+    return dst
+
+
+def prologue_applies(hidden: torch.Tensor, cos: torch.Tensor, head_dim: int, keys: torch.Tensor) -> bool:
+    """hidden (B, L, H) and cos (B or 1, L, head_dim) on a device that runs the kernel; arena keys with unit
+    last stride; an even head_dim."""
+    return (triton is not None and hidden.dim() == 3 and cos.dim() == 3 and cos.shape[-1] == head_dim
+            and cos.shape[1] == hidden.shape[1] and cos.shape[0] in (1, hidden.shape[0]) and head_dim % 2 == 0
+            and keys.stride(-1) == 1 and _runs_here(hidden, cos, keys))
+
+
+def attention_prologue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm, k_norm, cos: torch.Tensor,
+                       sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
+                       cols: torch.Tensor) -> torch.Tensor:
+    """Everything between an attention's projections and its attention, in one launch: the per-head RMSNorms
+    (Qwen3's q_norm / k_norm; None for Llama-style layers), the rotary embedding, and the new keys and values
+    written into the cache at (rows, cols). Five to seven launches a layer before (two norms, the rotary kernel,
+    two index writes, and the copies between them).
+
+    q (B, L, Hq, D), k and v (B, L, Hkv, D) with heads D apart and a unit last stride (projection outputs, possibly column
+    slices of one fused one); cos/sin (B or 1, L, D); keys/values (R, Hkv, C, D) arena views; rows, cols (B, L)
+    (broadcast views welcome) -> the rotated queries (B, L, Hq, D), contiguous."""
+    B, L, HQ, D = q.shape
+    HK = k.shape[2]
+    assert q.stride(3) == k.stride(3) == v.stride(3) == 1 and q.stride(2) == k.stride(2) == v.stride(2) == D
+    cos, sin = cos.expand(B, L, D), sin.expand(B, L, D)
+    if cos.stride(-1) != 1 or sin.stride() != cos.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    rows, cols = rows.expand(B, L), cols.expand(B, L)
+    norm = q_norm is not None
+    qo = torch.empty(B, L, HQ, D, dtype=q.dtype, device=q.device)
+    _prologue_kernel[(B * L, HQ + HK)](
+        q, k, v, q_norm.weight if norm else q, k_norm.weight if norm else k, cos, sin, qo, keys, values, rows, cols,
+        L, HQ, q_norm.variance_epsilon if norm else 0.0, k_norm.variance_epsilon if norm else 0.0,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), cos.stride(1), rows.stride(0), rows.stride(1),
+        cols.stride(0), cols.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0),
+        values.stride(1), values.stride(2), D=D, NORM=norm, BLOCK=triton.next_power_of_2(D // 2))
+    return qo
 
 
 def route(logits: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -268,13 +399,14 @@ def decode_attention_applies(query: torch.Tensor, key: torch.Tensor) -> bool:
 
 
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lens: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """One decode step's attention over a ragged KV arena: row b attends its first lens[b] columns only.
 
     query (B, Hq, 1, D); key/value (B, Hkv, C, D) (arena views, any strides with a unit last one); lens (B,)
     -> (B, 1, Hq, D). Split-K flash decoding: each program reads one (row, kv head, column range) and the G
     query heads that share the kv head ride along in one tile, so K/V are read once per row and only up to
-    the row's length (SDPA with a boolean mask reads all C columns and the mask). The number of splits depends
+    the row's length (SDPA with a boolean mask reads all C columns and the mask). out: (B, Hq * D) elements a
+    row with unit head and last strides (a mixed step's rows of its attention output), written in place. The number of splits depends
     on C only, so the launch replays in a CUDA graph while lengths change; it is a runtime argument, so a wider
     arena does not compile the kernels again."""
     B, HQ, _, D = query.shape
@@ -283,7 +415,8 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     nsplit = max(1, min(DECODE_SPLIT_MAX, C // DECODE_SPLIT_MIN))
     split = triton.cdiv(triton.cdiv(C, nsplit), DECODE_BLOCK_N) * DECODE_BLOCK_N
     part = torch.empty(B, HK, nsplit, G, D + 2, dtype=torch.float32, device=query.device)
-    out = torch.empty(B, 1, HQ, D, dtype=query.dtype, device=query.device)
+    if out is None:
+        out = torch.empty(B, 1, HQ, D, dtype=query.dtype, device=query.device)
     _decode_attn_kernel[(B, HK, nsplit)](
         query, key, value, lens, part, split, query.stride(0), query.stride(1), key.stride(0), key.stride(1),
         key.stride(2), value.stride(0), value.stride(1), value.stride(2), scale, G=G,
@@ -312,10 +445,11 @@ def feed_attention_applies(query: torch.Tensor, key: torch.Tensor) -> bool:
 
 
 def feed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows: torch.Tensor,
-                   pos: torch.Tensor, scale: float) -> torch.Tensor:
+                   pos: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """The feed tokens' attention in a mixed step (generate.Engine): token t attends columns [0, pos[t]] of
     arena row rows[t]. query (Hq, P, D); key/value (R, Hkv, C, D) arena views; rows, pos (P,), P a multiple of
-    feed_block(G), each block's tokens in one row (padding slots: that row, position 0) -> (P, Hq, D)."""
+    feed_block(G), each block's tokens in one row (padding slots: that row, position 0) -> (P, Hq, D) (into
+    out, like decode_attention's, when given)."""
     HQ, P, D = query.shape
     HK, C = key.shape[1], key.shape[2]
     G = HQ // HK
@@ -326,7 +460,8 @@ def feed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     nsplit = max(1, min(DECODE_SPLIT_MAX, C // DECODE_SPLIT_MIN))
     split = triton.cdiv(triton.cdiv(C, nsplit), DECODE_BLOCK_N) * DECODE_BLOCK_N
     part = torch.empty(P, HK, nsplit, G, D + 2, dtype=torch.float32, device=query.device) if nsplit > 1 else None
-    out = torch.empty(P, HQ, D, dtype=query.dtype, device=query.device)
+    if out is None:
+        out = torch.empty(P, HQ, D, dtype=query.dtype, device=query.device)
     M = max(16, triton.next_power_of_2(G * BQ))
     _feed_attn_kernel[(P // BQ, HK, nsplit)](
         query, key, value, rows, pos, part if nsplit > 1 else out, out, split, query.stride(0), query.stride(1),
@@ -369,11 +504,12 @@ class Targets(NamedTuple):
     spaces: list[dict]                 # module globals holding the `apply_rotary_pos_emb` an attention calls
     routers: list[torch.nn.Module]     # routers of the classes in ROUTERS
     norms: list[torch.nn.Module]       # RMSNorms
+    attentions: list[torch.nn.Module]  # attentions of the classes in ATTENTIONS (ragged_attention.attention_forward)
 
 
 def targets(model: torch.nn.Module) -> Targets:
     """The modules `patch` swaps ops in for (see the module docstring)."""
-    spaces, routers, norms = {}, [], []
+    spaces, routers, norms, attentions = {}, [], [], []
     for m in model.modules():
         name = type(m).__name__
         if name in ROUTERS:
@@ -386,7 +522,9 @@ def targets(model: torch.nn.Module) -> Targets:
             g = fwd.__globals__
             if callable(g.get("apply_rotary_pos_emb")) and "apply_rotary_pos_emb" in fwd.__code__.co_names:
                 spaces[id(g)] = g
-    return Targets(list(spaces.values()), routers, norms)
+            if name in ATTENTIONS and (getattr(m, "q_norm", None) is None) == (getattr(m, "k_norm", None) is None):
+                attentions.append(m)
+    return Targets(list(spaces.values()), routers, norms, attentions)
 
 
 @contextlib.contextmanager

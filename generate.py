@@ -42,7 +42,7 @@ from transformers.cache_utils import Cache
 import fused_ops
 import moe_kernel
 from kv_host import KV_HOST_BLOCK, HostKV, HostPool, offload, reload
-from ragged_attention import ATTN_NAME, Feed, RaggedLayer, begin_feed, end_forward
+from ragged_attention import ATTN_NAME, Feed, RaggedLayer, begin_feed, end_forward, patch_attention
 from sampling import cache_kwarg, episode_generator, sample_rows
 
 @dataclass
@@ -170,9 +170,12 @@ class Engine:
         if experts == moe_kernel.NAME:
             moe_kernel.register()   # raises with one clear line when triton is not importable
         # Elementwise chains as one launch each for the engine's calls (None: on CUDA only): RMSNorms, rotary
-        # embeddings and MoE routers (fused_ops.py); the modules are found once and patched around each call.
+        # embeddings and MoE routers (fused_ops.py), and attentions through ragged_attention.attention_forward
+        # (q/k/v as one GEMM where they are plain Linears, norms + rotary + the K/V write as one launch); the
+        # modules are found once and patched around each call.
         self.fused = self.device.type == "cuda" if fused is None else fused
         self._fused_targets = fused_ops.targets(model)
+        self._qkv: dict = {}   # ragged_attention._qkv_weight: fused q/k/v weights of the plain-Linear attentions
         # decode attention (None: "triton" on CUDA where triton imports, else "sdpa"): "sdpa" (torch, a mask over
         # all arena columns) or "triton" (fused_ops: each row's keys only up to its length; the A3B decode step
         # 17.8 -> 16.9 ms, the 0.7B one 2.4 -> 1.9 ms on an H200, docs/RESULTS.md §3). Prefill is sdpa either way.
@@ -186,6 +189,8 @@ class Engine:
         self.static_batch = static_batch or self.cuda_graphs   # decode all arena rows every step (graphs need it)
         self.graph_error: str | None = None       # why CUDA-graph decode was switched off, if it was
         self._graphs: dict = {}                     # "decode" / "mixed" -> (graph, its logits) while a `step` runs
+        self._warm: set = set()                     # graph names captured before (their kernels are compiled)
+        self._side: torch.cuda.Stream | None = None   # the stream graphs are captured on
         # Follow-up turns (step(follow=)) are fed through the decode steps: up to feed_tokens slots a step carry
         # the new turns' tokens beside the pending ones (a "mixed" step), so a row that finishes a turn stays in
         # its arena row and needs no admission (an eager forward that reads every weight again). 0: admissions.
@@ -317,6 +322,9 @@ class Engine:
         if self.kv_budget is None:   # and all rows' padded prefills at once (with a budget _admit splits them)
             n_feed = max(len(eps[e].ids) - eps[e].n_cached for e, _ in queue)
             cap = max(cap, max(eps[e].n_cached for e, _ in queue) + n_feed)
+        self._mixed = self._follow is not None and self.feed_tokens > 0 and self.kv_budget is None
+        if self._mixed:   # follow-ups continue in their rows, each needing more columns: one growth (and the
+            cap = min(2 * cap, max(cap, self.max_context))   # graph captures after it) fewer
         cap = -(-cap // 64) * 64                                          # arena columns C
         B = min(self.max_batch, len(queue))
         if self.kv_budget is not None:
@@ -327,7 +335,6 @@ class Engine:
             B = min(B, self.kv_budget // row)
             self._evict(B * row)                                          # make room for the arena
         admit_min = min(self.admit_min, B)
-        self._mixed = self._follow is not None and self.feed_tokens > 0 and self.kv_budget is None
         self._B = B               # + one scratch row in mixed runs: where rows that do not sample write their keys
         self.arena = torch.zeros(self.n_layers, 2, B + self._mixed, self.n_kv, cap, self.head_dim,
                                  dtype=self.dtype, device=self.device)   # (layers, 2, B (+1), Hkv, C, D)
@@ -385,7 +392,7 @@ class Engine:
         for new, old in enumerate(keep):
             if new != old:
                 n = self._lens[old]
-                self.arena[:, :, new, :, :n] = self.arena[:, :, old, :, :n]
+                fused_ops.copy_kv(self.arena[:, :, new, :, :n], self.arena[:, :, old, :, :n])
         k, idx = len(keep), self._h2d(keep)
         for t in (self._out, self._lps, self._u):
             if t is not None:
@@ -413,7 +420,7 @@ class Engine:
                     self._reload(ep.kv, dst)
                     self.stats["kv_reloaded_tokens"] += ep.n_cached
                 elif ep.kv is not None:
-                    dst.copy_(ep.kv)
+                    fused_ops.copy_kv(dst, ep.kv)
                 ep.kv = None                                     # the arena owns it until the row finishes
                 self._resident.pop(eid, None)
                 self.rows.append(_Row(eid, budget))
@@ -483,8 +490,11 @@ class Engine:
         """forward() through a CUDA graph where graphs are on: it reads static buffers (`_st`, the arena, the feed
         plan), the same memory at every step of a `step` call, and returns static logits.
 
-        The first call runs the step eagerly on a side stream (a real step: it writes the same K/V the graph
-        will), then captures it. A capture failure switches graphs off for this engine and records why."""
+        The first capture of a name in this engine runs the step eagerly on the side stream first (a real step:
+        it writes the same K/V the graph will; Triton compiles, cuBLAS sets up its workspace), then captures it.
+        Later captures (the next `step` call, a wider arena) capture at once and replay: the eager forward costs
+        about four graph replays at the Qwen3-30B-A3B shape. A capture failure without the warm-up retries with
+        it; one with it switches graphs off for this engine and records why."""
         if not self.cuda_graphs:
             return forward()
         if name in self._graphs:
@@ -493,17 +503,37 @@ class Engine:
             self.stats["graph_replays"] = self.stats.get("graph_replays", 0) + 1
             return out
         t0 = time.perf_counter()
-        side = torch.cuda.Stream()
+        warm = name not in self._warm
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        side = self._side
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            out = forward().clone()                                           # warm-up = this step's result
-        torch.cuda.current_stream().wait_stream(side)
+        if warm:
+            with torch.cuda.stream(side):
+                out = forward().clone()                                       # warm-up = this step's result
+            torch.cuda.current_stream().wait_stream(side)
+        # capture_begin/end on the side stream, not `torch.cuda.graph(...)`: its entry empties the allocator's
+        # device and pinned-host caches (and runs gc.collect() in older torch), so that every capture after an
+        # arena growth paid for a collection and the next allocations went back to cudaMalloc
+        graph = torch.cuda.CUDAGraph()
         try:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                self._graphs[name] = (graph, forward())
+            with torch.cuda.stream(side):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    out_g = forward()
+                finally:
+                    graph.capture_end()
+            torch.cuda.current_stream().wait_stream(side)
+            self._graphs[name] = (graph, out_g)
+            self._warm.add(name)
             self.stats["graph_captures"] = self.stats.get("graph_captures", 0) + 1
+            if not warm:
+                graph.replay()                                                # this step's result
+                out = out_g
         except RuntimeError as e:   # capture is best effort: eager decode stays correct
+            if not warm:
+                self._warm.discard(name)
+                return self._graphed(name, forward)
             self.cuda_graphs, self.graph_error = False, f"{type(e).__name__}: {str(e)[:300]}"
             self._graphs = {}
         torch.cuda.synchronize(self.device)                  # once per graph and `step` call: time it
@@ -666,7 +696,8 @@ class Engine:
         C = self.arena.shape[4]
         C2 = -(-max(need, 2 * C) // 64) * 64
         arena = self.arena.new_zeros(*self.arena.shape[:4], C2, self.arena.shape[5])   # (layers, 2, B, Hkv, C2, D)
-        arena[:, :, :, :, :C] = self.arena
+        for r in range(arena.shape[2]):
+            fused_ops.copy_kv(arena[:, :, r, :, :C], self.arena[:, :, r])
         self.arena, self._cols, self._graphs = arena, torch.arange(C2, device=self.device), {}
         self.stats["arena_grows"] += 1
         self._kv_resident()
@@ -689,7 +720,7 @@ class Engine:
         budget after evicting idle caches of episodes outside this step, else on host (or dropped)."""
         n = ep.n_cached = kv.shape[3]
         if self.kv_budget is None or self._evict(n * self.kv_token_bytes, keep=self._in_run):
-            ep.kv = kv.clone()
+            ep.kv = fused_ops.copy_kv(torch.empty(kv.shape, dtype=kv.dtype, device=kv.device), kv)
             self._resident[eid] = None                           # most recently used
             self._kv_resident()
         elif self.kv_evict == "drop":
@@ -758,7 +789,10 @@ class Engine:
         if self.experts:
             self.model.set_experts_implementation(self.experts)
         try:
-            with fused_ops.patch(self._fused_targets) if self.fused else contextlib.nullcontext():
+            with contextlib.ExitStack() as stack:
+                if self.fused:
+                    stack.enter_context(fused_ops.patch(self._fused_targets))
+                    stack.enter_context(patch_attention(self._fused_targets.attentions, self._qkv))
                 yield
         finally:
             cfg._attn_implementation = old_attn

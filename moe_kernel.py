@@ -12,7 +12,8 @@ as few launches as possible. The idea is vLLM's fused_moe; the code is our own:
   2. `_gate_up_kernel`: per (block, N tile), gate and up tiles of one expert against the block's gathered
      token rows, SiLU(gate) * up in the epilogue -> h (S, I) in the weights' dtype.
   3. `_down_kernel`: h @ down^T times the pair's routing weight -> (S, H) at the pair's own row, so the
-     sum over top-k is one `view(T, K, H).sum(1)` (no inverse permutation, deterministic, no atomics).
+     sum over top-k reads each token's K rows in a fixed order (`_topk_sum_kernel`: no inverse permutation,
+     deterministic, no atomics).
 No host syncs and no data-dependent shapes: buffers and grids are sized by the worst case
 S + min(E, S) * (BLOCK_M - 1) padded pairs, and blocks past the padded total (read on the device) exit at
 once, so the path replays inside the engine's CUDA graphs. Triton compiles on the first (eager) call.
@@ -53,6 +54,7 @@ except ImportError as e:  # CPU CI may not have it: the name is then simply not 
 NAME = "fused"
 MAX_TOKENS = 256          # more tokens than this: transformers' grouped_mm (prefill)
 _LIVE: list = [None]      # (T,) bool while `live_tokens` is active
+ALIGN_BLOCK_S = 512       # routing pairs per loop step of `_align_kernel`
 
 
 @contextlib.contextmanager
@@ -98,19 +100,29 @@ def pick_config(tokens: int) -> MoeCfg:
 
 if triton is not None:
     @triton.jit
-    def _align_kernel(ids_ptr, order_ptr, block_expert_ptr, total_ptr, S,
-                      E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr):
-        """Program e: place expert e's pairs (ascending pair id) at its padded offset; pad slots get S."""
+    def _pair_ids(ids_ptr, live_ptr, offs, S, top_k, HAS_LIVE: tl.constexpr):
+        """Expert ids of pairs offs (int32), -1 past S and for the pairs of tokens that are not live."""
+        ok = offs < S
+        if HAS_LIVE:
+            ok = ok & (tl.load(live_ptr + offs // top_k, mask=ok, other=0) != 0)
+        return tl.load(ids_ptr + offs, mask=ok, other=-1).to(tl.int32)
+
+    @triton.jit
+    def _align_kernel(ids_ptr, live_ptr, order_ptr, block_expert_ptr, total_ptr, S, E, top_k,
+                      E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, HAS_LIVE: tl.constexpr):
+        """Program e: place expert e's pairs (ascending pair id) at its padded offset; pad slots get S.
+        E_PAD > E bins: ids < 0 (no expert), pairs of tokens t with live[t] False (HAS_LIVE) and masked lanes
+        count in the last bin, which no expert owns."""
         e = tl.program_id(0)
         experts = tl.arange(0, E_PAD)
         counts = tl.zeros((E_PAD,), tl.int32)
         s0 = 0
         while s0 < S:   # while, not range: triton 3.6's interpreter cannot index with a runtime bound (numpy 2.4)
             offs = s0 + tl.arange(0, BLOCK_S)
-            ids = tl.load(ids_ptr + offs, mask=offs < S, other=-1).to(tl.int32)
-            counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)   # histogram
+            ids = _pair_ids(ids_ptr, live_ptr, offs, S, top_k, HAS_LIVE)
+            counts += tl.histogram(tl.where(ids < 0, E_PAD - 1, ids), E_PAD)   # shared-memory histogram
             s0 += BLOCK_S
-        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M                  # (E_PAD,)
+        padded = tl.where(experts < E, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)   # (E_PAD,)
         ends = tl.cumsum(padded, axis=0)
         mine = experts == e
         start = tl.sum(tl.where(mine, ends - padded, 0))
@@ -122,7 +134,7 @@ if triton is not None:
         s0 = 0
         while s0 < S:                                                         # expert e's pairs, in order
             offs = s0 + tl.arange(0, BLOCK_S)
-            hit = (tl.load(ids_ptr + offs, mask=offs < S, other=-1).to(tl.int32) == e).to(tl.int32)
+            hit = (_pair_ids(ids_ptr, live_ptr, offs, S, top_k, HAS_LIVE) == e).to(tl.int32)
             tl.store(order_ptr + pos + tl.cumsum(hit, axis=0) - 1, offs, mask=hit > 0)
             pos += tl.sum(hit)
             s0 += BLOCK_S
@@ -202,19 +214,42 @@ if triton is not None:
                  mask=row_ok[:, None] & n_ok[None, :])
 
 
-def align(top_k_index: torch.Tensor, num_experts: int, block_m: int):
+    @triton.jit
+    def _topk_sum_kernel(src_ptr, live_ptr, out_ptr, H, K: tl.constexpr, HAS_LIVE: tl.constexpr,
+                         BLOCK_H: tl.constexpr):
+        """Program (t, j): out[t, cols j] = sum_k src[t * K + k, cols j] in fp32, 0 where live[t] is False (those
+        pairs were never computed: their rows of src are not read)."""
+        t, j = tl.program_id(0), tl.program_id(1)
+        offs = j * BLOCK_H + tl.arange(0, BLOCK_H)
+        m = offs < H
+        if HAS_LIVE:
+            m_in = m & (tl.load(live_ptr + t) != 0)
+        else:
+            m_in = m
+        acc = tl.zeros((BLOCK_H,), tl.float32)
+        for k in tl.static_range(K):
+            acc += tl.load(src_ptr + (t * K + k).to(tl.int64) * H + offs, mask=m_in, other=0).to(tl.float32)
+        tl.store(out_ptr + t.to(tl.int64) * H + offs, acc.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def align(top_k_index: torch.Tensor, num_experts: int, block_m: int, live: torch.Tensor | None = None):
     """Pairs grouped by expert, each group padded to block_m: (order (n_blocks * block_m,) int32 pair ids
     with S at pad slots, block_expert (n_blocks,) int32, total (1,) int32 padded pairs). Sized by the worst
-    case, so the shapes depend only on (S, E, block_m); entries past `total` are left unwritten."""
+    case, so the shapes depend only on (S, E, block_m); entries past `total` are left unwritten. live (T,)
+    bool: the pairs of tokens where it is False are left out (as if their ids were -1)."""
     S = top_k_index.numel()
     n_blocks = triton.cdiv(S + min(num_experts, S) * (block_m - 1), block_m)
     dev = top_k_index.device
     order = torch.empty(n_blocks * block_m, dtype=torch.int32, device=dev)
     block_expert = torch.empty(n_blocks, dtype=torch.int32, device=dev)
     total = torch.empty(1, dtype=torch.int32, device=dev)
-    _align_kernel[(num_experts,)](top_k_index.reshape(-1), order, block_expert, total, S,
-                                  E_PAD=triton.next_power_of_2(num_experts), BLOCK_M=block_m,
-                                  BLOCK_S=min(64, triton.next_power_of_2(S)))
+    # BLOCK_S: pairs per loop step. The histogram is tl.histogram's, so a long step costs little; a (64, E)
+    # comparison matrix per step averaged 28 us a launch over an overlapped A3B call (mixed steps have 1,280
+    # pairs), this 4.5 us (H200, docs/RESULTS.md §3)
+    _align_kernel[(num_experts,)](top_k_index.reshape(-1), top_k_index if live is None else live, order,
+                                  block_expert, total, S, num_experts, top_k_index.shape[-1],
+                                  E_PAD=triton.next_power_of_2(num_experts + 1), BLOCK_M=block_m,
+                                  BLOCK_S=min(ALIGN_BLOCK_S, triton.next_power_of_2(S)), HAS_LIVE=live is not None)
     return order, block_expert, total
 
 
@@ -234,8 +269,7 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k_
     """sum_k w[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = top_k_index[t, k]: x (T, H) -> (T, H).
 
     gate_up (E, 2I, H) [gate; up] and down (E, H, I), or (E, H, 2I) and (E, I, H) with transposed=True.
-    live (T,) bool: tokens where it is False get 0 and no pair (their expert ids become -1, which no expert
-    counts)."""
+    live (T,) bool: tokens where it is False get 0 and no pair (`align` leaves them out)."""
     T, H = x.shape
     top_k = top_k_index.shape[-1]
     E = gate_up.shape[0]
@@ -244,12 +278,10 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k_
     cfg = cfg or pick_config(T)
     x = x.to(gate_up.dtype).contiguous()
     rw = top_k_weights.reshape(-1).contiguous()                                       # (S,)
-    if live is not None:
-        top_k_index = torch.where(live[:, None], top_k_index, -1)
-    order, block_expert, total = align(top_k_index.contiguous(), E, cfg.block_m)
+    order, block_expert, total = align(top_k_index.contiguous(), E, cfg.block_m, live)
     n_blocks = block_expert.shape[0]
     h = torch.empty(S, I, dtype=gate_up.dtype, device=x.device)                       # (S, I)
-    out = (torch.empty if live is None else torch.zeros)(S, H, dtype=x.dtype, device=x.device)   # (S, H) pairs
+    out = torch.empty(S, H, dtype=x.dtype, device=x.device)                           # (S, H) pairs
     kw = dict(BLOCK_M=cfg.block_m, UPCAST=INTERPRET, PRECISION=dot_precision(gate_up.dtype))
     c = cfg.gate_up
     _gate_up_kernel[(n_blocks, triton.cdiv(I, c.block_n))](
@@ -259,7 +291,13 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k_
     _down_kernel[(n_blocks, triton.cdiv(H, c.block_n))](
         h, down, out, rw, order, block_expert, total, S, H, h.stride(0), *_nk_strides(down, transposed),
         out.stride(0), K=I, BLOCK_N=c.block_n, BLOCK_K=c.block_k, num_warps=c.warps, num_stages=c.stages, **kw)
-    return out.view(T, top_k, H).sum(1)                                              # (T, H), fp32 accumulate
+    # the sum over top-k (fp32, one rounding) and the dead tokens' zeros in one launch: torch's `view(T, K, H)
+    # .sum(1)` plus a zero fill of `out` were two launches a layer
+    y = torch.empty(T, H, dtype=x.dtype, device=x.device)                             # (T, H)
+    block_h = min(1024, triton.next_power_of_2(H))
+    _topk_sum_kernel[(T, triton.cdiv(H, block_h))](out, y if live is None else live, y, H, K=top_k,
+                                                   HAS_LIVE=live is not None, BLOCK_H=block_h)
+    return y
 
 
 def grouped_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k_index: torch.Tensor,

@@ -6,18 +6,23 @@ Row b of the arena holds its episode's tokens at columns [0, len_b) (column == R
 a boolean mask (B, 1, q, C), True where a query may attend. Grouped-query attention reads K/V once: decode and
 prefill fold the G query heads of a kv head into the query axis (transformers' sdpa path with a mask copies
 K/V G times, 8x at the Qwen3-30B-A3B shape). `ATTN_NAME + "_triton"` takes the decode step through
-fused_ops.decode_attention (each row's keys only up to its length).
+fused_ops.decode_attention (each row's keys only up to its length). `attention_forward` replaces the attention
+modules' forward for the engine's calls (`patch_attention`): fused q/k/v projections, then one kernel for the
+q/k norms, rotary and the K/V write (fused_ops.attention_prologue).
 
 Tests: python -m pytest -q tests/test_generate.py tests/test_fused_ops.py
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
-from transformers.cache_utils import StaticLayer
+from transformers.cache_utils import Cache, StaticLayer
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import fused_ops
 
@@ -109,7 +114,7 @@ def _mixed_attention(query, key, value, feed: Feed, scale: float, decode) -> tor
     out = query.new_empty(N, Hq, D)
     qd, kd, vd = query[0, :, :B].transpose(0, 1).unsqueeze(2), key[:B], value[:B]     # (B, Hq, 1, D), (B, Hkv, C, D)
     if decode is not None and fused_ops.decode_attention_applies(qd, kd):
-        out[:B] = decode(qd, kd, vd, feed.lens, scale)[:, 0]
+        decode(qd, kd, vd, feed.lens, scale, out=out[:B])
     else:
         cols = torch.arange(C, device=query.device)
         mask = _additive((cols < feed.lens[:, None])[:, None, None], query.dtype)                 # (B, 1, 1, C)
@@ -117,7 +122,7 @@ def _mixed_attention(query, key, value, feed: Feed, scale: float, decode) -> tor
         out[:B] = o.reshape(B, Hq, D)
     qf = query[0, :, B:]                                                                          # (Hq, P, D)
     if fused_ops.feed_attention_applies(qf, key):
-        out[B:] = fused_ops.feed_attention(qf, key, value, feed.rows, feed.pos, scale)
+        fused_ops.feed_attention(qf, key, value, feed.rows, feed.pos, scale, out=out[B:])
     else:   # torch: each block of feed tokens against its row's K/V (gathered), the G heads folded in
         P, BQ = qf.shape[1], feed.block
         nb = P // BQ
@@ -156,3 +161,67 @@ class RaggedLayer(StaticLayer):
         self.keys[self.rows, :, self.cols] = key_states.transpose(1, 2)       # (B, q, Hkv, D)
         self.values[self.rows, :, self.cols] = value_states.transpose(1, 2)
         return self.keys, self.values
+
+
+# ---- the attention module's forward for the engine's calls ---------------------------------------------------
+
+
+def attention_forward(attn, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
+                      qkv_cache: dict | None = None, **kwargs):
+    """An attention of fused_ops.ATTENTIONS over a RaggedLayer cache: the projections (one GEMM where q/k/v are
+    plain bias-free Linears, see `_qkv_weight`), then `fused_ops.attention_prologue` (q/k norms, rotary, K/V
+    written into the arena: one launch), the registered attention function, o_proj. Anything else (another
+    cache, a device the kernel does not run on, autograd) takes the class's own forward.
+
+    hidden_states (B, L, H); position_embeddings (cos, sin) (B or 1, L, D) -> ((B, L, H), None)."""
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    layer = cache.layers[attn.layer_idx] if isinstance(cache, Cache) else None
+    D = attn.head_dim
+    if not (isinstance(layer, RaggedLayer) and position_embeddings is not None
+            and fused_ops.prologue_applies(hidden_states, position_embeddings[0], D, layer.keys)):
+        return type(attn).forward(attn, hidden_states, position_embeddings=position_embeddings,
+                                  attention_mask=attention_mask, **kwargs)
+    B, L, _ = hidden_states.shape
+    w = _qkv_weight(attn, qkv_cache)
+    if w is not None:                                        # (B, L, (Hq + 2 Hkv) D) split into column views
+        nq, nk = attn.q_proj.out_features, attn.k_proj.out_features
+        q, k, v = F.linear(hidden_states, w).split([nq, nk, nk], dim=-1)
+    else:                                                    # module calls: a LoRA wrapper adds its delta
+        q, k, v = attn.q_proj(hidden_states), attn.k_proj(hidden_states), attn.v_proj(hidden_states)
+    cos, sin = position_embeddings
+    query = fused_ops.attention_prologue(q.view(B, L, -1, D), k.view(B, L, -1, D), v.view(B, L, -1, D),
+                                         getattr(attn, "q_norm", None), getattr(attn, "k_norm", None), cos, sin,
+                                         layer.keys, layer.values, layer.rows, layer.cols)      # (B, L, Hq, D)
+    fn = ALL_ATTENTION_FUNCTIONS[attn.config._attn_implementation]
+    out, _ = fn(attn, query.transpose(1, 2), layer.keys, layer.values, attention_mask, dropout=0.0,
+                scaling=attn.scaling)                                                           # (B, L, Hq, D)
+    return attn.o_proj(out.reshape(B, L, -1)), None
+
+
+def _qkv_weight(attn, qkv_cache: dict | None) -> torch.Tensor | None:
+    """[W_q; W_k; W_v] ((Hq + 2 Hkv) D, H), made once and kept in qkv_cache while the three weights are the same
+    tensors at the same version (an in-place optimizer step makes a new one); None where any projection is not a
+    plain bias-free nn.Linear (a peft LoRA layer, biases) or there is no cache. One GEMM instead of three: k and v
+    are 1/8 of q's size at the Qwen3-30B-A3B shape, so their GEMMs were launch-bound (about 1 GB for 48 layers)."""
+    ps = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")]
+    if qkv_cache is None or not all(type(p) is torch.nn.Linear and p.bias is None for p in ps):
+        return None
+    key = tuple((p.weight.data_ptr(), p.weight._version) for p in ps)
+    hit = qkv_cache.get(id(attn))
+    if hit is None or hit[0] != key:
+        with torch.no_grad():
+            hit = qkv_cache[id(attn)] = (key, torch.cat([p.weight for p in ps]))
+    return hit[1]
+
+
+@contextlib.contextmanager
+def patch_attention(modules: list, qkv_cache: dict | None = None):
+    """Inside the block, the attention modules (fused_ops.targets(model).attentions) run `attention_forward`
+    (an instance attribute shadows the class's forward until it is deleted)."""
+    for m in modules:
+        m.forward = functools.partial(attention_forward, m, qkv_cache=qkv_cache)
+    try:
+        yield
+    finally:
+        for m in modules:
+            del m.forward

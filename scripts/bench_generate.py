@@ -338,7 +338,7 @@ def stub_forward(eng: Engine, device: str, seed: int, cp: CriticalPath) -> None:
     V = eng.head.weight.shape[0]
     table = (4 * torch.randn(64, V, generator=torch.Generator().manual_seed(seed))).to(device)   # (64, V)
 
-    def forward(a, b, ids, start, last):             # ids (B, q), last (B,) -> logits (B, V)
+    def forward(a, b, ids, start, last, live=None):  # ids (B, q), last (B,) -> logits (B, V)
         cp.model_call()
         eng.stats["forwards"] += 1
         return table[ids.gather(1, last[:, None]).squeeze(1) % 64]

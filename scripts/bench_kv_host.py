@@ -4,7 +4,9 @@ One cache of the Qwen3-30B-A3B shape at 16k tokens, (48 layers, 2, 4 kv heads, 1
 taken as a strided row of an arena like generate.Engine's: offloaded and reloaded three times (the first
 offload pins new blocks, later ones reuse them), then 20 caches on new blocks (pinning included) and the same
 20 on reused blocks, then `kv.to("cpu")` (pageable). Also checks that a cache whose layers straddle blocks of
-an odd size round-trips bit for bit and leaves the neighbouring arena rows untouched.
+an odd size round-trips bit for bit and leaves the neighbouring arena rows untouched. Last, the device copies the
+engine makes of an arena row (store, reload, compaction) in an arena of 33 rows x 5,632 columns, a row view
+spanning more than 2^31 elements: torch's `clone` (and its kernel launches) against fused_ops.copy_kv.
 
 GPU: python scripts/bench_kv_host.py
 """
@@ -15,6 +17,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
+import fused_ops  # noqa: E402
 from kv_host import HostPool, offload, reload  # noqa: E402
 
 
@@ -61,6 +64,26 @@ def main():
     print(f"20 caches on reused blocks: {20 * gb / s:.1f} GB/s, pinning {pool.alloc_s:.2f} s in all")
     _, s = timed(lambda: kv.to("cpu"))
     print(f"pageable kv.to('cpu'): {gb / s:.2f} GB/s")
+    del arena, kv, hs, pool
+    device_copies()
+
+
+def device_copies(n: int = 3500):
+    """An arena row's cache copied out on the device: torch's strided clone against fused_ops.copy_kv."""
+    from torch.profiler import ProfilerActivity, profile
+    arena = torch.randn(48, 2, 33, 4, 5632, 128, device="cuda", dtype=torch.bfloat16)   # (L, 2, B, Hkv, C, D)
+    kv = arena[:, :, 7, :, :n]                                                            # (48, 2, 4, n, 128)
+    gb = 2 * kv.numel() * kv.element_size() / 1e9                                         # read + write
+    dst = torch.empty(kv.shape, dtype=kv.dtype, device="cuda")
+    for name, fn in (("torch clone", lambda: kv.clone()), ("fused_ops.copy_kv", lambda: fused_ops.copy_kv(dst, kv))):
+        fn()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        launches = sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA")
+        _, s = timed(lambda: [fn() for _ in range(10)])
+        print(f"{name}: a {n}-token row in {1e3 * s / 10:.2f} ms ({10 * gb / s:.0f} GB/s read + write), "
+              f"{launches} kernel launches; exact: {torch.equal(fn(), kv)}")
 
 
 if __name__ == "__main__":

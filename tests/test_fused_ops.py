@@ -105,6 +105,78 @@ def test_patch_finds_and_restores(monkeypatch):
     assert all("forward" not in vars(m) for m in t.routers + t.norms) and torch.equal(again, ref)
 
 
+@pytest.mark.parametrize("B,L,HQ,HK,D,norm", [(3, 1, 4, 2, 16, True), (2, 5, 8, 4, 32, True), (1, 4, 6, 2, 24, False)])
+def test_attention_prologue_matches_hf_fp32(B, L, HQ, HK, D, norm):
+    """q/k RMSNorms (Qwen3's, or none as in Llama), HF's rotary embedding and the K/V written at each token's own
+    arena row and column, against the modules and `apply_rotary_pos_emb`; q/k/v column slices of one projection
+    output as the fused q/k/v GEMM makes them; nothing else of the arena changes."""
+    q, k, cos, sin = rotary_inputs(B, L, HQ, HK, D, torch.float32, seed=B + L)
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(B, L, (HQ + 2 * HK) * D, generator=g).to(DEV)
+    qp, kp, vp = (t.view(B, L, -1, D) for t in qkv.split([HQ * D, HK * D, HK * D], dim=-1))
+    qn, kn = (hf.Qwen3MoeRMSNorm(D, eps=1e-6).to(DEV) for _ in range(2)) if norm else (None, None)
+    if norm:
+        for n in (qn, kn):
+            n.weight.data.copy_(torch.randn(D, generator=g))
+    R, C = B + 2, L + 9
+    arena = torch.randn(2, R, HK, C, D, generator=g).to(DEV)
+    before = arena.clone()
+    rows = torch.randperm(R, generator=g)[:B].to(DEV)[:, None]                       # (B, 1) as the engine passes
+    cols = torch.stack([torch.randperm(C, generator=g)[:L] for _ in range(B)]).to(DEV)   # (B, L)
+    with torch.no_grad():
+        out = fused_ops.attention_prologue(qp, kp, vp, qn, kn, cos, sin, arena[0], arena[1], rows, cols)
+        ref_q, ref_k = hf.apply_rotary_pos_emb((qn(qp) if norm else qp).transpose(1, 2),
+                                               (kn(kp) if norm else kp).transpose(1, 2), cos, sin)
+    torch.testing.assert_close(out, ref_q.transpose(1, 2), rtol=1e-5, atol=1e-5)
+    written = torch.zeros(R, C, dtype=torch.bool)
+    for b in range(B):
+        for l in range(L):
+            r, c = int(rows[b, 0]), int(cols[b, l])
+            written[r, c] = True
+            torch.testing.assert_close(arena[0, r, :, c], ref_k[b, :, l], rtol=1e-5, atol=1e-5)
+            assert torch.equal(arena[1, r, :, c], vp[b, l])
+    keep = ~written.to(DEV)
+    assert torch.equal(arena.permute(0, 1, 3, 2, 4)[:, keep], before.permute(0, 1, 3, 2, 4)[:, keep])
+
+
+@pytest.mark.parametrize("D", [16, 24])
+def test_copy_kv_between_arena_rows_and_caches(D):
+    """copy_kv's kernel (under the interpreter on CPU): an arena row's (layers, 2, Hkv, n, D) view out to a
+    contiguous cache, back into another row, and row to row; the neighbouring rows and columns untouched. D = 24
+    takes torch's copy_."""
+    g = torch.Generator().manual_seed(D)
+    arena = torch.randn(3, 2, 4, 2, 70, D, generator=g).to(DEV)                     # (L, 2, B, Hkv, C, D)
+    before = arena.clone()
+    src = arena[:, :, 1, :, :65]
+    cache = fused_ops.copy_kv(torch.empty(src.shape, device=DEV), src, kernel=True)
+    assert cache.is_contiguous() and torch.equal(cache, src)
+    fused_ops.copy_kv(arena[:, :, 3, :, :65], cache, kernel=True)
+    fused_ops.copy_kv(arena[:, :, 0, :, :30], arena[:, :, 2, :, :30], kernel=True)
+    assert torch.equal(arena[:, :, 3, :, :65], before[:, :, 1, :, :65])
+    assert torch.equal(arena[:, :, 0, :, :30], before[:, :, 2, :, :30])
+    assert torch.equal(arena[:, :, 3, :, 65:], before[:, :, 3, :, 65:])
+    assert torch.equal(arena[:, :, 1:3], before[:, :, 1:3])
+    assert torch.equal(arena[:, :, 0, :, 30:], before[:, :, 0, :, 30:])
+
+
+def test_qkv_weight_follows_in_place_updates():
+    """The fused [W_q; W_k; W_v] is made again when a weight changes in place (an optimizer step), and not made
+    for a projection with a bias."""
+    import ragged_attention
+    cfg = Qwen3MoeConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    attn = hf.Qwen3MoeAttention(cfg, layer_idx=0)
+    cache = {}
+    w = ragged_attention._qkv_weight(attn, cache)
+    assert torch.equal(w, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+    assert ragged_attention._qkv_weight(attn, cache) is w
+    with torch.no_grad():
+        attn.k_proj.weight.add_(1.0)
+    w2 = ragged_attention._qkv_weight(attn, cache)
+    assert w2 is not w and torch.equal(w2[32:48], attn.k_proj.weight)
+    attn.v_proj.bias = torch.nn.Parameter(torch.zeros(16))
+    assert ragged_attention._qkv_weight(attn, cache) is None and ragged_attention._qkv_weight(attn, None) is None
+
+
 def ragged_arena(B, HK, G, C, D, dtype, seed=0):
     """K/V as arena views (a row of the arena skipped, so strides are not contiguous), q as HF makes it, and
     per-row lengths in [1, C]."""

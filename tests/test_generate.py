@@ -199,28 +199,34 @@ def test_follow_ups_equal_turn_by_turn(model, monkeypatch):
     """step(follow=...) overlaps turns across episodes (and widens the arena as contexts grow) with the same
     tokens and log-probs as one `step` per turn, sampled and greedy, dynamic and static (CUDA-graph) batches;
     follow-ups fed through mixed steps (in chunks of 256 or 8 slots a step; the feed attention through Triton
-    where it runs, else torch) or admitted by their own prefill forwards (feed_tokens=0)."""
+    where it runs, else torch) or admitted by their own prefill forwards (feed_tokens=0). Fed in place, a run
+    starts with twice the columns its first turns need; long observations take it past them."""
     import fused_ops
-    script = long_script(6, 5, seed=21)
-    for kw in (dict(temperature=0.8, top_p=0.9, seed=4), dict(temperature=0.0)):
-        ref, _ = run_engine(model, script, max_batch=4, **kw)
-        for mb, static, feed in ((4, False, 256), (6, True, 256), (2, False, 256), (6, True, 8), (4, False, 0),
-                                 (6, True, "torch")):
-            with monkeypatch.context() as mp:
-                if feed == "torch":
-                    mp.setattr(fused_ops, "feed_attention_applies", lambda *a: False)
-                outs, eng, order = run_follow(model, script, max_batch=mb, static_batch=static,
-                                              feed_tokens=8 if feed == "torch" else feed, **kw)
-            assert_same(outs, ref, tol=1e-5)
-            assert eng.stats["arena_grows"] >= 1, eng.stats              # 120-token prompts, then +5..37 a turn
-            if feed and mb == len(script):   # a row per episode: every follow-up fed in place, one admission
-                assert eng.stats["feed_steps"] > 0 and eng.stats["admissions"] == 1, eng.stats
-            elif not feed:
-                assert eng.stats["feed_steps"] == 0 and eng.stats["admissions"] > len(script), eng.stats
-            if mb == len(script):   # a row per episode: some episode is a turn ahead of another at some point
-                turns = [t for _, t in order]
-                assert turns != sorted(turns), "no episode began a turn before all had finished the previous one"
-    assert eng.fed == {e: len(eng.history(e)) - 1 for e in script}    # every token fed once: no re-prefill
+    short, long = long_script(6, 5, seed=21), long_script(6, 4, seed=21, obs=(40, 60))
+    runs = [(short, kw, cfg) for kw in (dict(temperature=0.8, top_p=0.9, seed=4), dict(temperature=0.0))
+            for cfg in ((4, False, 256), (6, True, 256), (2, False, 256), (6, True, 8), (4, False, 0), (6, True, "torch"))]
+    runs += [(long, dict(temperature=0.0), cfg) for cfg in ((4, False, 256), (6, True, 256))]
+    refs = {}
+    for script, kw, (mb, static, feed) in runs:
+        key = (id(script), tuple(kw.items()))
+        if key not in refs:
+            refs[key] = run_engine(model, script, max_batch=4, **kw)[0]
+        with monkeypatch.context() as mp:
+            if feed == "torch":
+                mp.setattr(fused_ops, "feed_attention_applies", lambda *a: False)
+            outs, eng, order = run_follow(model, script, max_batch=mb, static_batch=static,
+                                          feed_tokens=8 if feed == "torch" else feed, **kw)
+        assert_same(outs, refs[key], tol=1e-5)
+        if script is long or not feed:    # 120-token prompts, then +5..37 (short) or +40..72 (long) a turn
+            assert eng.stats["arena_grows"] >= 1, eng.stats
+        if feed and mb == len(script):   # a row per episode: every follow-up fed in place, one admission
+            assert eng.stats["feed_steps"] > 0 and eng.stats["admissions"] == 1, eng.stats
+        elif not feed:
+            assert eng.stats["feed_steps"] == 0 and eng.stats["admissions"] > len(script), eng.stats
+        if mb == len(script):   # a row per episode: some episode is a turn ahead of another at some point
+            turns = [t for _, t in order]
+            assert turns != sorted(turns), "no episode began a turn before all had finished the previous one"
+        assert eng.fed == {e: len(eng.history(e)) - 1 for e in script}    # every token fed once: no re-prefill
 
 
 def test_follow_ups_over_a_kv_budget_wait_for_the_next_run(model):
@@ -257,11 +263,13 @@ def test_cuda_graph_decode_matches_eager():
     assert eng.graph_error is None, eng.graph_error
     assert eng.stats.get("graph_replays", 0) > 0, eng.stats
     assert_same(graph, eager, tol=1e-3)
-    script = long_script(4, 4, seed=23)      # follow-ups fed through mixed steps: their graph too
+    # follow-ups fed through mixed steps: their graph too, captured again (without a warm-up) as the arena grows
+    script = long_script(4, 4, seed=23, obs=(40, 60))
     for experts in (None, "fused"):          # fused: padding and finished rows skip the experts
         eager, _, _ = run_follow(m, script, max_batch=4, temperature=0.0, static_batch=True, experts=experts)
         graph, eng, _ = run_follow(m, script, max_batch=4, temperature=0.0, cuda_graphs=True, experts=experts)
         assert eng.graph_error is None and eng.stats["feed_steps"] > 0, (eng.graph_error, eng.stats)
+        assert eng.stats["arena_grows"] >= 1 and eng.stats["graph_captures"] >= 3, eng.stats
         assert_same(graph, eager, tol=1e-3)
 
 
@@ -281,8 +289,10 @@ def test_triton_decode_attention_matches_plain(model, monkeypatch):
 
 def test_fused_ops_match_the_model_and_are_restored(model, monkeypatch):
     """Engine(fused=True): RMSNorms as F.rms_norm (the same values as the module's forward: fp32 rounding; bf16
-    within a bf16 ulp), rotary embeddings and routers through fused_ops' kernels (the Triton interpreter on
-    CPU); greedy turns equal the plain reference, and the model is itself again after each call."""
+    within a bf16 ulp), the attentions through ragged_attention.attention_forward (q/k/v as one GEMM, the
+    q/k norms, rotary and K/V write as fused_ops.attention_prologue) and routers through fused_ops' kernels (the
+    Triton interpreter on CPU); greedy turns equal the plain reference, and the model is itself again after
+    each call."""
     import fused_ops
     from fused_ops import rms_norm as fused_rms_norm
     norm = next(m for m in model.modules() if type(m).__name__.endswith("RMSNorm"))
@@ -296,7 +306,7 @@ def test_fused_ops_match_the_model_and_are_restored(model, monkeypatch):
     calls = []
     monkeypatch.setattr(fused_ops, "rms_norm", lambda m, x: calls.append(m) or fused_rms_norm(m, x))
     if fused_ops.triton is not None and fused_ops.INTERPRET:
-        for name in ("rope", "route"):
+        for name in ("attention_prologue", "route"):
             real = getattr(fused_ops, name)
             monkeypatch.setattr(fused_ops, name, lambda *a, _f=real, _n=name: calls.append(_n) or _f(*a))
     script = make_script(4, 3, seed=4)
@@ -306,8 +316,10 @@ def test_fused_ops_match_the_model_and_are_restored(model, monkeypatch):
     assert eng.fused and len(norms) == 2 * 2 * model.config.num_hidden_layers + 1   # + q/k norms
     if fused_ops.triton is not None and fused_ops.INTERPRET:
         L = model.config.num_hidden_layers
-        assert calls.count("rope") >= L and calls.count("route") >= L
-    assert all("forward" not in vars(m) for m in norms + eng._fused_targets.routers)
+        assert calls.count("attention_prologue") >= L and calls.count("route") >= L
+        assert len(eng._qkv) == L                                       # plain Linears: one fused weight a layer
+    assert len(eng._fused_targets.attentions) == model.config.num_hidden_layers
+    assert all("forward" not in vars(m) for m in norms + eng._fused_targets.routers + eng._fused_targets.attentions)
     assert_same(outs, run_plain(model, script))
 
 
@@ -327,13 +339,17 @@ def test_step_full_and_rewind(model):
     assert ids == ref
 
 
-def test_peft_lora_model(model):
-    """A peft-wrapped model (what training samples from): same tokens as the plain path through PeftModel."""
+@pytest.mark.parametrize("fused", [False, True])
+def test_peft_lora_model(model, fused):
+    """A peft-wrapped model (what training samples from): same tokens as the plain path through PeftModel; fused:
+    the engine's attention forward calls the LoRA projections as modules (no fused q/k/v weight for them)."""
     peft = pytest.importorskip("peft")
     pm = peft.get_peft_model(_build(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
                                                        init_lora_weights=False)).eval()   # a non-zero adapter
     script = make_script(3, 2, seed=11)
-    assert_same(run_engine(pm, script, max_batch=2, temperature=0.0)[0], run_plain(pm, script))
+    outs, eng = run_engine(pm, script, max_batch=2, temperature=0.0, fused=fused)
+    assert_same(outs, run_plain(pm, script))
+    assert not eng._qkv
 
 
 def test_sample_next_filters():
@@ -347,11 +363,11 @@ def test_sample_next_filters():
         assert ids.item() in (1, 3)
 
 
-def long_script(n_eps, turns, seed=0):
+def long_script(n_eps, turns, seed=0, obs=(5, 25)):
     """Every episode plays all turns from a long prompt, so arena rows are wide and idle caches are large."""
     rng = random.Random(seed)
     tok = lambda n: [rng.randrange(1, V) for _ in range(n)]
-    return {e: [(tok(rng.randint(100, 120)) if t == 0 else tok(rng.randint(5, 25)), rng.randint(3, 12))
+    return {e: [(tok(rng.randint(100, 120)) if t == 0 else tok(rng.randint(*obs)), rng.randint(3, 12))
                 for t in range(turns)] for e in range(n_eps)}
 
 

@@ -56,18 +56,28 @@ def eager(ex, x, idx, w):
         return ex(x, idx, w)
 
 
-@pytest.mark.parametrize("T,E,K,BM", [(1, 16, 2, 16), (7, 8, 8, 16), (40, 4, 2, 16), (5, 32, 8, 32)])
-def test_align_layout(T, E, K, BM):
-    """Every pair once, in its expert's padded group, ascending; pads = S; total = sum of padded counts."""
+@pytest.mark.parametrize("T,E,K,BM,dead", [(1, 16, 2, 16, 0), (7, 8, 8, 16, 0), (40, 4, 2, 16, 0), (5, 32, 8, 32, 0),
+                                            (7, 8, 8, 16, 3), (100, 128, 8, 32, 17), (9, 8, 4, 16, 2)])
+def test_align_layout(T, E, K, BM, dead):
+    """Every pair once, in its expert's padded group, ascending; pads = S; total = sum of padded counts.
+    dead tokens have no pair, marked as `live` False (odd `dead`) or as ids -1 (even); 800 pairs over 128 experts
+    take two loop steps and a histogram with a spare bin (E is a power of two)."""
     idx, _ = route(T, E, K, seed=T)
+    gone = torch.randperm(T, generator=torch.Generator().manual_seed(0))[:dead]
+    live = torch.ones(T, dtype=torch.bool)
+    live[gone] = False
+    order, block_expert, total = mk.align(idx, E, BM, live.to(DEV) if dead % 2 else None)
+    idx[gone.to(idx.device)] = -1                                  # what the reference sees either way
+    if not dead % 2:
+        order, block_expert, total = mk.align(idx, E, BM)
     S = idx.numel()
-    order, block_expert, total = mk.align(idx, E, BM)
-    counts = torch.bincount(idx.flatten().cpu(), minlength=E)
+    counts = torch.bincount(idx.flatten().cpu()[idx.flatten().cpu() >= 0], minlength=E)
     n_pad = (counts + BM - 1) // BM * BM
     assert int(total) == int(n_pad.sum()) <= order.numel(), "worst-case buffer too small"
     order, block_expert = order[:int(total)].cpu().long(), block_expert[:int(total) // BM].cpu().long()
     real = order[order < S]
-    assert sorted(real.tolist()) == list(range(S)) and (order[order >= S] == S).all()
+    kept = (idx.flatten().cpu() >= 0).nonzero().flatten().tolist()
+    assert sorted(real.tolist()) == kept and (order[order >= S] == S).all()
     flat = idx.flatten().cpu()
     for b in range(len(block_expert)):
         rows = order[b * BM:(b + 1) * BM]
