@@ -10,7 +10,7 @@ and a batch waits for its longest row. `Engine` removes both costs:
     leave, waiting requests join mid-turn. With `step(..., follow=fn)` an episode's next turn joins as soon
     as its row finishes (turns overlap across episodes): it stays in its arena row and its new tokens ride in
     the next decode steps (`feed_tokens` slots a step, "mixed" steps, one CUDA graph), so no eager prefill
-    forward re-reads the weights for it (at the A3B shape 1,285-1,336 tok/s against 1,257 one `step` per turn,
+    forward re-reads the weights for it (at the A3B shape 1,407-1,531 tok/s against 1,407 one `step` per turn,
     docs/RESULTS.md §3).
   * Each episode has its own CPU torch.Generator and one uniform draw per token, so samples do not depend on
     the batch; returned log-probs are log_softmax(logits) at temperature 1, unfiltered.

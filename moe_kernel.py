@@ -245,7 +245,7 @@ def align(top_k_index: torch.Tensor, num_experts: int, block_m: int, live: torch
     total = torch.empty(1, dtype=torch.int32, device=dev)
     # BLOCK_S: pairs per loop step. The histogram is tl.histogram's, so a long step costs little; a (64, E)
     # comparison matrix per step averaged 28 us a launch over an overlapped A3B call (mixed steps have 1,280
-    # pairs), this 4.5 us (H200, docs/RESULTS.md §3)
+    # pairs), this 4.5-5.8 us (H200, docs/RESULTS.md §3)
     _align_kernel[(num_experts,)](top_k_index.reshape(-1), top_k_index if live is None else live, order,
                                   block_expert, total, S, num_experts, top_k_index.shape[-1],
                                   E_PAD=triton.next_power_of_2(num_experts + 1), BLOCK_M=block_m,
