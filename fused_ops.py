@@ -220,9 +220,8 @@ if triton is not None:
     @triton.jit
     def _prologue_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr, kc_ptr, vc_ptr, rows_ptr,
                          cols_ptr, L, HQ, eps_q, eps_k, s_qb, s_ql, s_kb, s_kl, s_vb, s_vl, s_cb, s_cl, s_rb,
-                         s_rl, s_pb, s_pl,
-                         s_kcb, s_kch, s_kcc, s_vcb, s_vch, s_vcc, D: tl.constexpr, NORM: tl.constexpr,
-                         BLOCK: tl.constexpr):
+                         s_rl, s_pb, s_pl, s_kcb, s_kch, s_kcc, s_vcb, s_vch, s_vcc, D: tl.constexpr,
+                         NORM: tl.constexpr, BLOCK: tl.constexpr):
         """Program (t, h), token t = b * L + l: h < HQ: query head h -> qo[t, h]; else key and value head
         h - HQ -> the arena at (rows[b, l], h - HQ, cols[b, l]). Heads are RMS-normalised (NORM) and rotated in
         fp32 and rounded once."""
@@ -349,9 +348,9 @@ def attention_prologue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm
     written into the cache at (rows, cols). Five to seven launches a layer before (two norms, the rotary kernel,
     two index writes, and the copies between them).
 
-    q (B, L, Hq, D), k and v (B, L, Hkv, D) with heads D apart and a unit last stride (projection outputs, possibly column
-    slices of one fused one); cos/sin (B or 1, L, D); keys/values (R, Hkv, C, D) arena views; rows, cols (B, L)
-    (broadcast views welcome) -> the rotated queries (B, L, Hq, D), contiguous."""
+    q (B, L, Hq, D), k and v (B, L, Hkv, D) with heads D apart and a unit last stride (projection outputs,
+    possibly column slices of one fused one); cos/sin (B or 1, L, D); keys/values (R, Hkv, C, D) arena views;
+    rows, cols (B, L) (broadcast views welcome) -> the rotated queries (B, L, Hq, D), contiguous."""
     B, L, HQ, D = q.shape
     HK = k.shape[2]
     assert q.stride(3) == k.stride(3) == v.stride(3) == 1 and q.stride(2) == k.stride(2) == v.stride(2) == D
@@ -364,9 +363,9 @@ def attention_prologue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm
     _prologue_kernel[(B * L, HQ + HK)](
         q, k, v, q_norm.weight if norm else q, k_norm.weight if norm else k, cos, sin, qo, keys, values, rows, cols,
         L, HQ, q_norm.variance_epsilon if norm else 0.0, k_norm.variance_epsilon if norm else 0.0,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), cos.stride(1), rows.stride(0), rows.stride(1),
-        cols.stride(0), cols.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0),
-        values.stride(1), values.stride(2), D=D, NORM=norm, BLOCK=triton.next_power_of_2(D // 2))
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), cos.stride(1),
+        rows.stride(0), rows.stride(1), cols.stride(0), cols.stride(1), *keys.stride()[:3], *values.stride()[:3],
+        D=D, NORM=norm, BLOCK=triton.next_power_of_2(D // 2))
     return qo
 
 
@@ -405,10 +404,10 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     query (B, Hq, 1, D); key/value (B, Hkv, C, D) (arena views, any strides with a unit last one); lens (B,)
     -> (B, 1, Hq, D). Split-K flash decoding: each program reads one (row, kv head, column range) and the G
     query heads that share the kv head ride along in one tile, so K/V are read once per row and only up to
-    the row's length (SDPA with a boolean mask reads all C columns and the mask). out: (B, Hq * D) elements a
-    row with unit head and last strides (a mixed step's rows of its attention output), written in place. The number of splits depends
+    the row's length (SDPA with a boolean mask reads all C columns and the mask). The number of splits depends
     on C only, so the launch replays in a CUDA graph while lengths change; it is a runtime argument, so a wider
-    arena does not compile the kernels again."""
+    arena does not compile the kernels again. out: (B, Hq * D) elements a row with unit head and last strides
+    (a mixed step's rows of its attention output), written in place."""
     B, HQ, _, D = query.shape
     HK, C = key.shape[1], key.shape[2]
     G = HQ // HK

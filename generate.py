@@ -512,9 +512,9 @@ class Engine:
             with torch.cuda.stream(side):
                 out = forward().clone()                                       # warm-up = this step's result
             torch.cuda.current_stream().wait_stream(side)
-        # capture_begin/end on the side stream, not `torch.cuda.graph(...)`: its entry empties the allocator's
-        # device and pinned-host caches (and runs gc.collect() in older torch), so that every capture after an
-        # arena growth paid for a collection and the next allocations went back to cudaMalloc
+        # capture_begin/end on the side stream, not `torch.cuda.graph(...)`: its entry synchronizes and empties
+        # the allocator's device and pinned-host caches (older torch also runs gc.collect()), so the allocations
+        # after every capture went back to cudaMalloc
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.stream(side):

@@ -203,8 +203,9 @@ def test_follow_ups_equal_turn_by_turn(model, monkeypatch):
     starts with twice the columns its first turns need; long observations take it past them."""
     import fused_ops
     short, long = long_script(6, 5, seed=21), long_script(6, 4, seed=21, obs=(40, 60))
-    runs = [(short, kw, cfg) for kw in (dict(temperature=0.8, top_p=0.9, seed=4), dict(temperature=0.0))
-            for cfg in ((4, False, 256), (6, True, 256), (2, False, 256), (6, True, 8), (4, False, 0), (6, True, "torch"))]
+    cfgs = ((4, False, 256), (6, True, 256), (2, False, 256), (6, True, 8), (4, False, 0), (6, True, "torch"))
+    kws = (dict(temperature=0.8, top_p=0.9, seed=4), dict(temperature=0.0))
+    runs = [(short, kw, cfg) for kw in kws for cfg in cfgs]
     runs += [(long, dict(temperature=0.0), cfg) for cfg in ((4, False, 256), (6, True, 256))]
     refs = {}
     for script, kw, (mb, static, feed) in runs:
