@@ -79,7 +79,8 @@ class Action:
 
 class Policy(Protocol):
     """One method. (A policy may also have `release(episode_id)`; run_episodes calls it when an episode
-    ends, so a policy holding per-episode state, such as a KV cache, can free it.)"""
+    ends, so a policy holding per-episode state, such as a KV cache, can free it. One whose `streams` is true
+    has `stream(states, advance)` too: see policy.HFPolicy.stream.)"""
     def act(self, states: list[EpisodeState]) -> list[Action]: ...
 
 
@@ -224,6 +225,9 @@ class EnvConfig:
     """observations longer than this are cut (head and tail kept)"""
     tool_workers: int = 16
     """threads running episodes' tool calls concurrently"""
+    overlap_turns: bool = True
+    """with a policy that streams (HFPolicy on generate.Engine), each episode's next turn is sampled as soon as
+    its tools finish, beside the other episodes' turns; off: all active episodes act together, turn by turn"""
     final_check: bool = True
     """profile the final workspace at the end of each episode"""
     ncu: bool = True
@@ -457,20 +461,30 @@ def _advance(e: Episode, a: Action) -> None:
 
 def run_episodes(policy: Policy, tasks: list[Task], pool, cfg: EnvConfig, tokenizer=None, log=None,
                  id_offset: int = 0) -> list[Trajectory]:
-    """Run one episode per task; all active episodes act together, their tools run concurrently.
+    """Run one episode per task; their tools run concurrently. A policy that streams samples each episode's next
+    turn as soon as its tools finish (`cfg.overlap_turns`); otherwise all active episodes act together.
     pool: a sandbox.SandboxPool; its config is every check's (None: no checks, e.g. final_check off).
     tokenizer: for ids/mask/logprobs in the records (default: policy.tok if the policy has one)."""
     sb = getattr(pool, "cfg", None) or sandbox.SandboxConfig()
     tok = tokenizer if tokenizer is not None else getattr(policy, "tok", None)
     eps = [Episode(id_offset + i, t, cfg, pool, sb, log) for i, t in enumerate(tasks)]
     with concurrent.futures.ThreadPoolExecutor(max(1, cfg.tool_workers)) as ex:
-        active = list(eps)
-        while active:
-            actions = policy.act([e.state() for e in active])     # one batched generate per turn
-            assert len(actions) == len(active), f"policy returned {len(actions)} actions for {len(active)} episodes"
-            list(ex.map(_advance, active, actions))         # tools (and final checks) run concurrently
-            for e in active:
-                if e.done and hasattr(policy, "release"):
-                    policy.release(e.id)                    # optional: free the episode's KV cache
-            active = [e for e in active if not e.done]
+        if cfg.overlap_turns and getattr(policy, "streams", False):
+            by_id = {e.id: e for e in eps}
+
+            def after(e: Episode, a: Action) -> EpisodeState | None:    # on the pool: the tools, the next state
+                _advance(e, a)
+                return None if e.done else e.state()
+
+            policy.stream([e.state() for e in eps], lambda eid, a: ex.submit(after, by_id[eid], a))
+        else:
+            active = list(eps)
+            while active:
+                actions = policy.act([e.state() for e in active])     # one batched generate per turn
+                assert len(actions) == len(active), f"policy returned {len(actions)} actions for {len(active)} episodes"
+                list(ex.map(_advance, active, actions))               # tools (and final checks) run concurrently
+                for e in active:
+                    if e.done and hasattr(policy, "release"):
+                        policy.release(e.id)                          # optional: free the episode's KV cache
+                active = [e for e in active if not e.done]
     return [e.trajectory(tok) for e in eps]

@@ -60,8 +60,11 @@ ATTENTIONS = ("Qwen3MoeAttention", "Qwen3Attention", "Qwen2MoeAttention", "Qwen2
 MAX_EXPERTS = 1024
 
 
+# Integer arguments that change from call to call (lengths, token and pair counts) are left unspecialized
+# (`do_not_specialize`): Triton compiles a variant of a kernel for each new divisibility by 16 (and == 1) of its
+# int arguments, so a length that happened to be a multiple of 16 compiled one in the middle of a run.
 if triton is not None:
-    @triton.jit
+    @triton.jit(do_not_specialize=["L"])
     def _rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, L, HQ, HK,
                      sq_b, sq_h, sq_l, sk_b, sk_h, sk_l, sc_b, sc_l,
                      HALF: tl.constexpr, BLOCK: tl.constexpr):
@@ -148,7 +151,7 @@ if triton is not None:
         tl.store(base + g * (D + 2) + D, m, mask=g < G)
         tl.store(base + g * (D + 2) + D + 1, l, mask=g < G)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["nsplit"])
     def _decode_combine_kernel(part_ptr, out_ptr, so_b, nsplit, G: tl.constexpr, D: tl.constexpr,
                                S_PAD: tl.constexpr):
         """Program (b, h, g): the splits' partial softmaxes merged -> out[b, 0, h*G + g, :]."""
@@ -217,7 +220,7 @@ if triton is not None:
             tl.store(base + D + 1, l_i, mask=valid)
 
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["L", "s_rb", "s_rl", "s_pb", "s_pl"])
     def _prologue_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr, kc_ptr, vc_ptr, rows_ptr,
                          cols_ptr, L, HQ, eps_q, eps_k, s_qb, s_ql, s_kb, s_kl, s_vb, s_vl, s_cb, s_cl, s_rb,
                          s_rl, s_pb, s_pl, s_kcb, s_kch, s_kcc, s_vcb, s_vch, s_vcc, D: tl.constexpr,
@@ -264,7 +267,7 @@ if triton is not None:
             tl.store(vd + HALF + d, tl.load(vs + HALF + d, mask=m), mask=m)
 
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n"])
     def _copy_kv_kernel(src_ptr, dst_ptr, n, H, s0, s1, s2, s3, d0, d1, d2, d3, D: tl.constexpr,
                         BLOCK_N: tl.constexpr):
         """Program (i, j), i = (layer * 2 + kv) * H + head: rows [j * BLOCK_N, (j + 1) * BLOCK_N) of that (n, D)

@@ -31,8 +31,10 @@ Bench: python scripts/bench_generate.py --preset small --out bench_small.json   
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Hashable, Protocol
 
@@ -54,7 +56,9 @@ class _Episode:
 
 
 Result = tuple[Hashable, list[int], list[float], str]       # (episode_id, sampled ids, log-probs, finish reason)
-Follow = Callable[[Result], "list[int] | tuple[list[int], int] | None"]   # Engine.step's follow: the next turn
+# Engine.step's follow: the next turn (new_ids, (new_ids, max_new_tokens) or None), or a Future of it while the
+# episode's tools run (the row waits, keeping its cache, and the other rows go on decoding)
+Follow = Callable[[Result], "list[int] | tuple[list[int], int] | None | Future"]
 
 
 def _turn(nxt) -> tuple[list[int], int | None]:
@@ -70,6 +74,7 @@ class _Row:
     budget: int                        # tokens it may sample this turn
     alive: bool = True                 # as of the last `_collect`; the device's `_st` row ALIVE is the truth
     feed: list[int] | None = None      # a follow-up turn's tokens still to be fed through mixed steps
+    wait: Future | None = None         # follow's answer, still running (the row keeps the episode's cache)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -200,6 +205,9 @@ class Engine:
         self._follow: Follow | None = None          # step's follow while it runs
         self._queue: list = []                      # (episode, budget) waiting for a row in the running `_run`
         self._later: list = []                      # follow-ups for the next `_run` of this step (arena too small)
+        self._waiting: list = []                    # (episode, Future) follow-ups of episodes without an arena row
+        self._n_wait = 0                            # rows waiting for follow's Future
+        self._full = self._release = False          # step_full's follow (whole conversations); release on leave
         self._cache_kw = cache_kwarg(self.decoder)
         self.episodes: dict[Hashable, _Episode] = {}
         self.fed: dict[Hashable, int] = {}        # tokens of each episode that entered the model (real, no pads)
@@ -235,40 +243,50 @@ class Engine:
         """All token ids of the episode so far (prompt, observations, sampled tokens)."""
         return list(self.episodes[episode_id].ids)
 
-    def step_full(self, requests: list[tuple]) -> list[tuple[Hashable, list[int], list[float], str]]:
-        """Like `step`, but each request carries the FULL conversation ids; only the part after the common
-        prefix with the episode's history is fed (the cache is cut back if an earlier token changed)."""
-        news = []
-        for eid, full, *rest in requests:
-            ep = self.episodes.get(eid)
-            if ep is None:
-                news.append((eid, list(full), *rest))
-                continue
-            p = 0
-            n = min(len(full), len(ep.ids))
-            while p < n and full[p] == ep.ids[p]:
-                p += 1
-            p = min(p, len(full) - 1)                      # something must be fed to get next-token logits
-            assert p >= 0, f"episode {eid!r}: empty conversation"
-            if p < len(ep.ids):                            # rewind: drop history (and cache) after p
-                self.stats["rewinds"] += p < ep.n_cached
-                ep.ids = ep.ids[:p]
-                if ep.n_cached > p:
-                    ep.n_cached = p
-                    if isinstance(ep.kv, HostKV):         # cut on the host: through a pageable copy, into new blocks
-                        with self._timed():
-                            kv = torch.empty(ep.kv.shape, dtype=ep.kv.dtype)       # (layers, 2, Hkv, n, D)
-                            self._reload(ep.kv, kv)
-                            ep.kv = self._host(kv[:, :, :, :p]) if p > 0 else None
-                    else:
-                        ep.kv = ep.kv[:, :, :, :p].clone() if p > 0 else None
-                    if ep.kv is None:
-                        self._resident.pop(eid, None)
-            news.append((eid, list(full[p:]), *rest))
-        return self.step(news)
+    def step_full(self, requests: list[tuple], follow: Follow | None = None,
+                  release: bool = False) -> list[Result]:
+        """Like `step`, but each request (and each answer of follow) carries the FULL conversation ids; only the
+        part after the common prefix with the episode's history is fed (the cache is cut back if an earlier token
+        changed)."""
+        news = [(eid, self._rewind(eid, full) if eid in self.episodes else list(full), *rest)
+                for eid, full, *rest in requests]
+        self._full = True
+        try:
+            return self.step(news, follow, release)
+        finally:
+            self._full = False
+
+    def _rewind(self, eid: Hashable, full: list[int], row: int | None = None) -> list[int]:
+        """The ids of `full` after its common prefix with the episode's history; history (and cache) after that
+        prefix is dropped. row: the arena row that holds the episode's cache (ep.n_cached of its columns)."""
+        ep = self.episodes[eid]
+        p = 0
+        n = min(len(full), len(ep.ids))
+        while p < n and full[p] == ep.ids[p]:
+            p += 1
+        p = min(p, len(full) - 1)                      # something must be fed to get next-token logits
+        assert p >= 0, f"episode {eid!r}: empty conversation"
+        if p < len(ep.ids):                            # rewind: drop history (and cache) after p
+            self.stats["rewinds"] += p < ep.n_cached
+            ep.ids = ep.ids[:p]
+            if ep.n_cached > p:
+                ep.n_cached = p
+                if row is not None:                    # the arena row's later columns are written again
+                    self._lens[row] = p
+                    self._st[LEN, row] = p                 # `_collect` reads the lengths back from the device
+                elif isinstance(ep.kv, HostKV):        # cut on the host: through a pageable copy, into new blocks
+                    with self._timed():
+                        kv = torch.empty(ep.kv.shape, dtype=ep.kv.dtype)       # (layers, 2, Hkv, n, D)
+                        self._reload(ep.kv, kv)                  # (its blocks go back to the pool)
+                        ep.kv = self._host(kv[:, :, :, :p]) if p > 0 else None
+                elif ep.kv is not None:
+                    ep.kv = ep.kv[:, :, :, :p].clone() if p > 0 else None
+                if ep.kv is None and row is None:
+                    self._resident.pop(eid, None)
+        return list(full[p:])
 
     @torch.no_grad()
-    def step(self, requests: list[tuple], follow: Follow | None = None) -> list[Result]:
+    def step(self, requests: list[tuple], follow: Follow | None = None, release: bool = False) -> list[Result]:
         """requests: [(episode_id, new_ids) or (episode_id, new_ids, max_new_tokens)], one per episode.
 
         new_ids are the tokens appended since the episode's last call (the whole prompt on the first).
@@ -277,28 +295,34 @@ class Engine:
 
         follow: called with each result as soon as its row finishes; it returns the episode's next turn
         (new_ids or (new_ids, max_new_tokens)), which joins the batch in this same call, or None (the episode
-        leaves). Turns then overlap across episodes: a row that finishes early takes its episode's next turn
-        instead of idling until the longest row of the batch is done. `step` returns each episode's last result.
+        leaves), or a concurrent.futures.Future of either while the episode's tools run: its row waits with the
+        cache in place and the other rows go on decoding. Turns then overlap across episodes: a row that finishes
+        early takes its episode's next turn instead of idling until the longest row of the batch is done. `step`
+        returns each episode's last result. release: an episode that leaves is released (its cache freed).
         """
         assert len({r[0] for r in requests}) == len(requests), "one request per episode per step"
         results, queue = {}, []
-        for eid, new, *rest in requests:
-            self.episodes.setdefault(eid, _Episode([], 0, None, episode_generator(self.seed, eid)))
-            self._enqueue(eid, new, rest[0] if rest else None, results, queue, follow)
-        self._follow = follow
+        self._follow, self._release = follow, release and follow is not None
         try:
-            while queue:                       # a follow-up turn that does not fit the arena waits for the next run
+            for eid, new, *rest in requests:
+                self.episodes.setdefault(eid, _Episode([], 0, None, episode_generator(self.seed, eid)))
+                self._enqueue(eid, new, rest[0] if rest else None, results, queue)
+            while queue or self._waiting:      # a follow-up turn that does not fit the arena waits for the next run
+                if not queue:                  # only answers still to come for episodes without a row
+                    self._poll(results, block=True, queue=queue)
+                    continue
                 self._later = []
                 self._run(queue, results)
                 queue = self._later
         finally:
-            self._follow, self._later = None, []
+            self._follow, self._later, self._waiting, self._release = None, [], [], False
         return [results[r[0]] for r in requests]
 
     def _enqueue(self, eid: Hashable, new: list[int], budget: int | None, results: dict, queue: list,
-                 follow: Follow | None) -> None:
+                 row: int | None = None) -> bool:
         """Append a turn's new ids to the episode and queue (episode, budget); a turn with no context left is a
-        "context" result at once (and, with follow, asks for the next one)."""
+        "context" result at once (and, with follow, asks for the next one). row: where its cache is, if in the
+        arena. True if the episode left (follow answered None)."""
         while True:
             ep = self.episodes[eid]
             ep.ids.extend(int(t) for t in new)
@@ -306,12 +330,19 @@ class Engine:
             budget = min(self.max_new_tokens if budget is None else budget, self.max_context - len(ep.ids))
             if budget > 0:
                 queue.append((eid, budget))
-                return
+                return False
             results[eid] = (eid, [], [], "context")
-            nxt = follow(results[eid]) if follow is not None else None
+            if self._follow is None:
+                return False
+            nxt = self._follow(results[eid])
+            if isinstance(nxt, Future):
+                self._waiting.append((eid, nxt))
+                return False
             if nxt is None:
-                return
+                return True
             new, budget = _turn(nxt)
+            if self._full:
+                new = self._rewind(eid, new, row)
 
     # ---- scheduling ---------------------------------------------------------------------------------
 
@@ -361,13 +392,17 @@ class Engine:
         # similar feed lengths prefill together (less padding); follow-up turns are appended as rows finish
         self._queue = sorted(queue, key=lambda q: len(eps[q[0]].ids) - eps[q[0]].n_cached)
         try:
-            while self._queue or self._n_alive or self._n_feed:
+            while self._queue or self._n_alive or self._n_feed or self._n_wait or self._waiting:
+                if self._n_wait or self._waiting:   # block when nothing decodes and no waiting turn can start
+                    idle = not (self._n_alive or self._n_feed)
+                    self._poll(results, block=idle and (not self._queue or self._n_wait >= B))
                 # admit when a group of admit_min fits, when nothing decodes, or when the whole queue fits (with
                 # follow only once it outnumbers the decoding rows: more follow-ups are on their way)
-                k = min(len(self._queue), B - self._n_alive - self._n_feed)
+                busy = self._n_alive + self._n_feed + self._n_wait
+                k = min(len(self._queue), B - busy)
                 admit = k > 0 and (self._n_alive == 0 or k >= admit_min or (
                     k == len(self._queue) and (self._follow is None or k >= self._n_alive)))
-                n_dead = len(self.rows) - self._n_alive - self._n_feed
+                n_dead = len(self.rows) - busy
                 if n_dead and (admit or n_dead >= self.compact_min or self._n_alive == 0):
                     self._compact()
                 if admit:
@@ -378,17 +413,17 @@ class Engine:
         except BaseException:
             self._graphs = {}
             for r in self.rows:              # their caches lived in the arena: drop them, never leave a torn state
-                if r.alive or r.feed is not None:
+                if r.alive or r.feed is not None or r.wait is not None:
                     self.release(r.eid)
             raise
         finally:
             self._graphs = {}                    # they point into the arena and the state: drop them first
-            self.arena, self.rows, self._in_run, self._queue = None, [], set(), []
+            self.arena, self.rows, self._in_run, self._queue, self._n_wait = None, [], set(), [], 0
             self._st = self._out = self._lps = self._u = self._cols = self._last0 = self._fd = None
 
     def _compact(self) -> None:
         """Move alive rows to the front of the arena (in place, increasing order: never overwrites a source)."""
-        keep = [i for i, r in enumerate(self.rows) if r.alive or r.feed is not None]
+        keep = [i for i, r in enumerate(self.rows) if r.alive or r.feed is not None or r.wait is not None]
         for new, old in enumerate(keep):
             if new != old:
                 n = self._lens[old]
@@ -579,15 +614,56 @@ class Engine:
             results[r.eid] = (r.eid, toks, lp, "stop" if toks[-1] in self.stop_ids else "length")
             r.alive = False
             self._n_alive -= 1
+            ep.n_cached = lens[i]                                 # in the arena row until it is stored
             nxt = self._follow(results[r.eid]) if self._follow is not None else None
-            queue = []
-            if nxt is not None:      # the next turn (a "context" result instead, and follow asked again, if no room)
-                self._enqueue(r.eid, *_turn(nxt), results, queue, self._follow)
-            # the cache stays in the arena row unless turns wait for a row (they go first, as in a queue)
-            if queue and self._mixed and not self._queue and self._feed_in_place(a + i, *queue[0]):
+            if isinstance(nxt, Future):                           # its tools run: the row waits (`_poll`)
+                r.wait = nxt
+                self._n_wait += 1
                 continue
-            self._store(ep, r.eid, self.arena[:, :, a + i, :, :lens[i]])   # (layers, 2, Hkv, n, D) view
-            self._follow_up(queue)
+            self._next_turn(a + i, nxt, results)
+
+    def _next_turn(self, row: int, nxt, results: dict) -> None:
+        """A finished row's episode goes on with follow's answer `nxt` (or leaves: None): its next turn continues in
+        the row (mixed steps) or queues for admission, and otherwise the row's cache is copied out."""
+        r = self.rows[row]
+        ep, queue, left = self.episodes[r.eid], [], nxt is None
+        if nxt is not None:      # the next turn (a "context" result instead, and follow asked again, if no room)
+            new, budget = _turn(nxt)
+            left = self._enqueue(r.eid, self._rewind(r.eid, new, row) if self._full else new, budget, results,
+                                 queue, row)
+        # the cache stays in the arena row unless turns wait for a row (they go first, as in a queue)
+        if queue and self._mixed and not self._queue and self._feed_in_place(row, *queue[0]):
+            return
+        if left and self._release:
+            self.release(r.eid)
+            return
+        self._store(ep, r.eid, self.arena[:, :, row, :, :self._lens[row]])   # (layers, 2, Hkv, n, D) view
+        self._follow_up(queue)
+
+    def _poll(self, results: dict, block: bool, queue: list | None = None) -> None:
+        """Take follow's answers that have come (block: wait for one first): a waiting row's episode goes on in
+        its row or leaves it; an episode without a row queues its turn (into `queue` between runs)."""
+        if block:
+            concurrent.futures.wait([r.wait for r in self.rows if r.wait is not None] + [f for _, f in self._waiting],
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        for i, r in enumerate(self.rows):
+            if r.wait is not None and r.wait.done():
+                nxt, r.wait = r.wait.result(), None
+                self._n_wait -= 1
+                self._next_turn(i, nxt, results)
+        done = [(e, f) for e, f in self._waiting if f.done()]
+        self._waiting = [(e, f) for e, f in self._waiting if not f.done()]
+        for eid, f in done:
+            nxt, q = f.result(), []
+            if nxt is not None:
+                new, budget = _turn(nxt)
+                left = self._enqueue(eid, self._rewind(eid, new) if self._full else new, budget, results, q)
+            if (nxt is None or left) and self._release:
+                self.release(eid)
+            elif queue is not None:
+                queue.extend(q)
+            else:
+                self._follow_up(q)
 
     def _follow_up(self, queue: list[tuple[Hashable, int]]) -> None:
         """Queue follow-up turns for admission in this run (the arena grows if needed; with a KV budget, or a budget

@@ -98,6 +98,8 @@ def pick_config(tokens: int) -> MoeCfg:
     return next(c for bound, c in CONFIGS if tokens <= bound)
 
 
+# The pair count S changes with the token count: left unspecialized, as fused_ops' lengths (one compiled
+# variant, not one per divisibility of S by 16 that a prefill happens to hit).
 if triton is not None:
     @triton.jit
     def _pair_ids(ids_ptr, live_ptr, offs, S, top_k, HAS_LIVE: tl.constexpr):
@@ -107,7 +109,7 @@ if triton is not None:
             ok = ok & (tl.load(live_ptr + offs // top_k, mask=ok, other=0) != 0)
         return tl.load(ids_ptr + offs, mask=ok, other=-1).to(tl.int32)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["S"])
     def _align_kernel(ids_ptr, live_ptr, order_ptr, block_expert_ptr, total_ptr, S, E, top_k,
                       E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, HAS_LIVE: tl.constexpr):
         """Program e: place expert e's pairs (ascending pair id) at its padded offset; pad slots get S.
@@ -146,7 +148,7 @@ if triton is not None:
             tl.store(block_expert_ptr + start // BLOCK_M + b, e + b * 0, mask=b < n_pad // BLOCK_M)
             b0 += 16
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["S"])
     def _gate_up_kernel(x_ptr, w_ptr, h_ptr, order_ptr, block_expert_ptr, total_ptr, S, N, top_k,
                         stride_xm, stride_we, stride_wn, stride_wk, stride_hm,
                         K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -182,7 +184,7 @@ if triton is not None:
         tl.store(h_ptr + pairs[:, None] * stride_hm + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & n_ok[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["S"])
     def _down_kernel(h_ptr, w_ptr, out_ptr, rw_ptr, order_ptr, block_expert_ptr, total_ptr, S, N,
                      stride_hm, stride_we, stride_wn, stride_wk, stride_om,
                      K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -215,10 +217,11 @@ if triton is not None:
 
 
     @triton.jit
-    def _topk_sum_kernel(src_ptr, live_ptr, out_ptr, H, K: tl.constexpr, HAS_LIVE: tl.constexpr,
-                         BLOCK_H: tl.constexpr):
+    def _topk_sum_kernel(src_ptr, row_ptr, w_ptr, live_ptr, out_ptr, H, K: tl.constexpr, HAS_LIVE: tl.constexpr,
+                         HAS_ROW: tl.constexpr, BLOCK_H: tl.constexpr):
         """Program (t, j): out[t, cols j] = sum_k src[t * K + k, cols j] in fp32, 0 where live[t] is False (those
-        pairs were never computed: their rows of src are not read)."""
+        pairs were never computed: their rows of src are not read). HAS_ROW: pair p's row of src is row[p] and
+        it is weighted by w[p] (grouped_moe's rows are sorted by expert and not yet weighted)."""
         t, j = tl.program_id(0), tl.program_id(1)
         offs = j * BLOCK_H + tl.arange(0, BLOCK_H)
         m = offs < H
@@ -228,7 +231,12 @@ if triton is not None:
             m_in = m
         acc = tl.zeros((BLOCK_H,), tl.float32)
         for k in tl.static_range(K):
-            acc += tl.load(src_ptr + (t * K + k).to(tl.int64) * H + offs, mask=m_in, other=0).to(tl.float32)
+            p = (t * K + k).to(tl.int64)
+            if HAS_ROW:
+                v = tl.load(src_ptr + tl.load(row_ptr + p).to(tl.int64) * H + offs, mask=m_in, other=0)
+                acc += v.to(tl.float32) * tl.load(w_ptr + p).to(tl.float32)
+            else:
+                acc += tl.load(src_ptr + p * H + offs, mask=m_in, other=0).to(tl.float32)
         tl.store(out_ptr + t.to(tl.int64) * H + offs, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
@@ -293,34 +301,47 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k_
         out.stride(0), K=I, BLOCK_N=c.block_n, BLOCK_K=c.block_k, num_warps=c.warps, num_stages=c.stages, **kw)
     # the sum over top-k (fp32, one rounding) and the dead tokens' zeros in one launch: torch's `view(T, K, H)
     # .sum(1)` plus a zero fill of `out` were two launches a layer
-    y = torch.empty(T, H, dtype=x.dtype, device=x.device)                             # (T, H)
+    return topk_sum(out, T, top_k, live)
+
+
+def topk_sum(src: torch.Tensor, T: int, K: int, live: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+             weights: torch.Tensor | None = None) -> torch.Tensor:
+    """(T, H): out[t] = sum_k src[t * K + k] (or weights[t * K + k] * src[rows[t * K + k]]), fp32 sums, one
+    rounding; 0 for tokens where live (T,) is False (their rows of src are never read). src (S', H)."""
+    H = src.shape[1]
+    y = torch.empty(T, H, dtype=src.dtype, device=src.device)                         # (T, H)
     block_h = min(1024, triton.next_power_of_2(H))
-    _topk_sum_kernel[(T, triton.cdiv(H, block_h))](out, y if live is None else live, y, H, K=top_k,
-                                                   HAS_LIVE=live is not None, BLOCK_H=block_h)
+    _topk_sum_kernel[(T, triton.cdiv(H, block_h))](src, y if rows is None else rows, y if weights is None else weights,
+                                                   y if live is None else live, y, H, K=K, HAS_LIVE=live is not None,
+                                                   HAS_ROW=rows is not None, BLOCK_H=block_h)
     return y
 
 
 def grouped_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor, transposed: bool = False) -> torch.Tensor:
-    """The same sum as `fused_moe` for prefill sizes, on CUDA: pairs sorted by expert, two `torch._grouped_mm`
-    (CUTLASS) calls. transformers' grouped_mm path does the same plus masked fills of every (pairs, H) and
-    (pairs, 2I) intermediate (transformers 5.17; ~100 of 420 ms of a 12k-token A3B prefill, docs/RESULTS.md
-    §3), which this path has no use for: no expert-parallel sentinels, no backward."""
+                top_k_weights: torch.Tensor, transposed: bool = False, live: torch.Tensor | None = None) -> torch.Tensor:
+    """The same sum as `fused_moe` for prefill sizes: pairs sorted by expert, two `torch._grouped_mm` (CUTLASS on
+    CUDA) calls. transformers' grouped_mm path does the same plus masked fills of every (pairs, H) and (pairs, 2I)
+    intermediate (transformers 5.17; ~100 of 420 ms of a 12k-token A3B prefill, docs/RESULTS.md §3), which this
+    path has no use for: no expert-parallel sentinels, no backward. live (T,) bool: the pairs of tokens where it is
+    False (a prefill's right-padding) sort after every group, so no GEMM computes them, and their tokens get 0."""
     T, H = x.shape
     K, E = top_k_index.shape[-1], gate_up.shape[0]
-    ids, perm = torch.sort(top_k_index.reshape(-1))                                   # (S,) pairs by expert
-    offs = torch.cumsum(torch.histc(ids.int(), bins=E, min=0, max=E - 1), 0, dtype=torch.int32)   # (E,) ends
+    ids = top_k_index.reshape(-1)
+    if live is not None:                                                              # expert E: no group's
+        ids = torch.where(live[:, None].expand(T, K).reshape(-1), ids, E)
+    ids, perm = torch.sort(ids)                                                       # (S,) pairs by expert
+    offs = torch.cumsum(torch.histc(ids.float(), bins=E, min=0, max=E - 1), 0).int()  # (E,) group ends
     xs = x.to(gate_up.dtype)[perm // K]                                               # (S, H)
     gu = torch._grouped_mm(xs, gate_up if transposed else gate_up.transpose(1, 2), offs=offs)   # (S, 2I)
     I = gu.shape[1] // 2
     h = torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]                               # (S, I)
-    y = torch._grouped_mm(h, down if transposed else down.transpose(1, 2), offs=offs)  # (S, H)
-    # back to pair order by a gather (a scatter `out[perm] = y` took 59 of 343 ms of a 12k-token A3B prefill),
-    # then each token's K rows weighted and summed in one batched GEMM (T, 1, K) @ (T, K, H): no atomics
+    y = torch._grouped_mm(h, down if transposed else down.transpose(1, 2), offs=offs)  # (S, H), rows past offs[-1]
+    # unwritten. Each token's K rows, weighted and summed in one pass (`topk_sum` through the pair -> sorted row
+    # map): a gather back to pair order and a (T, 1, K) @ (T, K, H) `bmm` were 10 + 18 of 354 ms of kernels of a
+    # 32-row A3B admission (docs/RESULTS.md §3); a scatter `out[perm] = y` before them 59
     inv = torch.empty_like(perm)
     inv[perm] = torch.arange(perm.numel(), device=perm.device)                        # (S,) pair -> sorted row
-    w = top_k_weights.reshape(T, 1, K).to(y.dtype)                                    # (T, 1, K)
-    return torch.bmm(w, y.index_select(0, inv).view(T, K, H)).view(T, H)              # (T, H)
+    return topk_sum(y, T, K, live, rows=inv, weights=top_k_weights.reshape(-1))       # (T, H)
 
 
 def why_not_fused(experts: torch.nn.Module, hidden_states: torch.Tensor, any_size: bool = False) -> str | None:
@@ -352,11 +373,11 @@ def fused_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.
     args = (hidden_states, self.gate_up_proj, self.down_proj, top_k_index, top_k_weights,
             getattr(self, "is_transposed", False))
     if why_not_fused(self, hidden_states, any_size=True) is None:
+        live = _LIVE[0] if _LIVE[0] is not None and _LIVE[0].shape[0] == hidden_states.shape[0] else None
         if hidden_states.shape[0] <= MAX_TOKENS:
-            live = _LIVE[0] if _LIVE[0] is not None and _LIVE[0].shape[0] == hidden_states.shape[0] else None
             return fused_moe(*args, live=live).to(hidden_states.dtype)
         if hidden_states.is_cuda:                                  # prefill: CUTLASS grouped GEMMs, unmasked
-            return grouped_moe(*args).to(hidden_states.dtype)
+            return grouped_moe(*args, live=live).to(hidden_states.dtype)
     return ALL_EXPERTS_FUNCTIONS["grouped_mm"](self, hidden_states, top_k_index, top_k_weights)
 
 

@@ -5,8 +5,9 @@ tool-call parser; the tiny MoE + local tokenizer for tests; the real checkpoint 
     called once per turn on all active episodes, and optionally `release(episode_id)`.
   * HFPolicy (what training uses): prompts are env.tokenize_conversation(..., add_generation_prompt=True),
     so every prompt extends the previous one plus what was sampled: the record re-tokenises exactly, and a
-    KV cache can be carried across turns (`engine=`, generate.Engine). Without an engine: one batched
-    `model.generate` per turn.
+    KV cache can be carried across turns (`engine=`, generate.Engine). With the engine, `stream` overlaps
+    turns: an episode's next turn is sampled as soon as its tools finish, while the others decode (what
+    env.run_episodes uses). Without an engine: one batched `model.generate` per turn.
   * OpenAIPolicy: any /v1/chat/completions endpoint over urllib, with tool schemas, retries and backoff.
   * ReplayPolicy: plays back scripted or recorded assistant messages (tests, demos).
   * parse_tool_calls: JSON inside <tool_call> (Qwen3) and <function=NAME><parameter=K> (Qwen3-Coder).
@@ -282,6 +283,7 @@ class HFPolicy:
         self.model, self.tok = model, tokenizer
         self.max_new_tokens, self.temperature, self.top_p, self.top_k = max_new_tokens, temperature, top_p, top_k
         self.seed, self.calls = seed, 0
+        self._turns: dict[int, int] = {}        # turns sampled per episode (numbers its tool-call ids)
         self.eot_id = tokenizer.convert_tokens_to_ids(end_of_turn(tokenizer))
         if engine is True:  # build the KV-cache-reusing engine for this model (make a new policy per update)
             engine = generate.Engine(model, tokenizer, max_batch=max_batch, max_new_tokens=max_new_tokens,
@@ -296,6 +298,7 @@ class HFPolicy:
 
     def release(self, episode_id: int) -> None:
         """The episode ended: free its KV cache (engine path). env.run_episodes calls this."""
+        self._turns.pop(episode_id, None)
         if self.engine is not None:
             self.engine.release(episode_id)
 
@@ -328,17 +331,53 @@ class HFPolicy:
         prompts = [self.prompt_ids(s) for s in states]
         if self.engine is not None:
             out = self.engine.step_full([(s.episode_id, p) for s, p in zip(states, prompts)])
-            res = [(ids, lps, "stop" if reason == "stop" else "length") for _, ids, lps, reason in out]
+            res = [(ids, lps, reason) for _, ids, lps, reason in out]
         else:
             res = self._sample_plain(prompts)
         self.calls += 1
-        actions = []
-        for s, p, (ids, lps, reason) in zip(states, prompts, res):
-            text = self.tok.decode(ids[:-1] if reason == "stop" else ids, skip_special_tokens=False)
-            content, calls, errs = parse_tool_calls(text, s.tools, id_prefix=f"call_{s.episode_id}_{self.calls}")
-            actions.append(Action(text=text, content=content, tool_calls=calls, errors=errs, token_ids=list(ids),
-                                  logprobs=list(lps), finish_reason=reason, n_context=len(p) + len(ids)))
-        return actions
+        return [self._action(s, p, *r) for s, p, r in zip(states, prompts, res)]
+
+    @property
+    def streams(self) -> bool:
+        """Whether `stream` can run (the engine path)."""
+        return self.engine is not None
+
+    def stream(self, states: list[EpisodeState], advance) -> None:
+        """Turns overlap across episodes (engine path): each episode's action goes to `advance(episode_id, action)`
+        as soon as its row finishes; advance returns a Future of the episode's next state (None once it ended),
+        and while it runs (the tools) the other rows decode on; when it resolves, the episode's next turn joins
+        the batch (generate.Engine.step_full with follow). The actions and log-probs equal `act`'s turn by turn."""
+        by_id = {s.episode_id: s for s in states}
+        prompts = {s.episode_id: self.prompt_ids(s) for s in states}
+
+        def follow(res):
+            eid, ids, lps, reason = res
+            nxt = concurrent.futures.Future()
+
+            def ready(f):                       # on the thread that ran advance: the next prompt, tokenized
+                try:
+                    s = f.result()
+                    if s is not None:
+                        by_id[eid], prompts[eid] = s, self.prompt_ids(s)
+                    nxt.set_result(None if s is None else prompts[eid])
+                except BaseException as e:      # the engine re-raises it
+                    nxt.set_exception(e)
+
+            advance(eid, self._action(by_id[eid], prompts[eid], ids, lps, reason)).add_done_callback(ready)
+            return nxt
+
+        self.engine.step_full([(eid, p) for eid, p in prompts.items()], follow=follow, release=True)
+        for eid in prompts:
+            self._turns.pop(eid, None)
+
+    def _action(self, s: EpisodeState, prompt: list[int], ids: list[int], lps: list[float], reason: str) -> Action:
+        """A sampled turn as an Action: text, parsed tool calls (ids numbered by the episode's turn), log-probs."""
+        reason = "stop" if reason == "stop" else "length"
+        n = self._turns[s.episode_id] = self._turns.get(s.episode_id, 0) + 1
+        text = self.tok.decode(ids[:-1] if reason == "stop" else ids, skip_special_tokens=False)
+        content, calls, errs = parse_tool_calls(text, s.tools, id_prefix=f"call_{s.episode_id}_{n}")
+        return Action(text=text, content=content, tool_calls=calls, errors=errs, token_ids=list(ids),
+                      logprobs=list(lps), finish_reason=reason, n_context=len(prompt) + len(ids))
 
 
 # --------------------------------------------------------------------------------------------------

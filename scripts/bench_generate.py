@@ -54,6 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+import fused_ops  # noqa: E402
 from generate import Engine  # noqa: E402
 
 
@@ -504,6 +505,48 @@ def overlapped_turns(cfg, eng, model, obs, budgets, stop_ids, device):
     return rows, cmp, window
 
 
+def warm_up(cfg: BenchConfig, eng, toks) -> float:
+    """Untimed: the run's batch shape for two turns of 4 tokens (all episodes, overlapped like the run): a short
+    context, then one long enough for the split decode and feed attentions, so that Triton's compiles, cuBLAS's
+    setup and the first graph captures (their eager warm-up) stay out of the timed turns, as in a training
+    process after its first rollout. Returns its seconds (a fresh process pays them once)."""
+    ids = [f"warmup{e}" for e in range(cfg.episodes)]
+    first = [(e, toks(16), 4) for e in ids]
+    n = max(cfg.obs_tokens, 2 * fused_ops.DECODE_SPLIT_MIN)
+    t0 = time.perf_counter()
+    if cfg.overlap and not cfg.stub_forward:
+        seen = set()
+        eng.step(first, follow=lambda r: None if r[0] in seen or seen.add(r[0]) else (toks(n), 4))
+    else:
+        eng.step(first)
+        eng.step([(e, toks(n), 4) for e in ids])
+    for e in ids:
+        eng.release(e)
+    return time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def triton_compiles():
+    """The kernels Triton compiles (or loads from its disk cache) in this process inside the block, by name: a
+    variant that the warm-up did not make shows up here with its compile time inside the timed turns."""
+    names: list[str] = []
+    knobs = getattr(sys.modules.get("triton"), "knobs", None)
+    if knobs is None:
+        yield names
+        return
+    old = knobs.runtime.jit_cache_hook
+
+    def hook(**kw):
+        names.append(kw["repr"].split("[")[0])
+        return False                                   # False: compile as usual
+
+    knobs.runtime.jit_cache_hook = hook
+    try:
+        yield names
+    finally:
+        knobs.runtime.jit_cache_hook = old
+
+
 def main(cfg: BenchConfig) -> int:
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
     dtype = (getattr(torch, cfg.dtype) if cfg.dtype != "auto"
@@ -530,19 +573,19 @@ def main(cfg: BenchConfig) -> int:
     if cfg.stub_forward:
         stub_forward(eng, device, cfg.seed, cp)
         cfg = dataclasses.replace(cfg, plain_turns=0)
-    # warm-up (CUDA context, kernels, allocator) for both paths, then forget the warm-up episode
-    eng.step([("warmup", toks(16), 4)])
-    eng.release("warmup")
+    # warm-up for both paths (CUDA context, kernels, allocator), then forget the warm-up episodes
+    warm_s = warm_up(cfg, eng, toks)
     if cfg.plain_turns:
         plain_turn_batch(model, [toks(16)], [4], stop_ids, cfg, device)
     eng.stats = {k: 0 for k in eng.stats}
 
     k = min(cfg.plain_turns, cfg.turns)
-    if cfg.overlap and not cfg.stub_forward:
-        rows, cmp, window = overlapped_turns(cfg, eng, model, obs, budgets, stop_ids, device)
-    else:
-        rows, cmp = lockstep_turns(cfg, eng, model, obs, budgets, stop_ids, device, cp)
-        window = dict(s=sum(r["engine_s"] for r in rows[:k]), tokens=sum(r["engine_tokens"] for r in rows[:k]))
+    with triton_compiles() as compiled:
+        if cfg.overlap and not cfg.stub_forward:
+            rows, cmp, window = overlapped_turns(cfg, eng, model, obs, budgets, stop_ids, device)
+        else:
+            rows, cmp = lockstep_turns(cfg, eng, model, obs, budgets, stop_ids, device, cp)
+            window = dict(s=sum(r["engine_s"] for r in rows[:k]), tokens=sum(r["engine_tokens"] for r in rows[:k]))
     same, total_cmp, max_dlp = cmp
     convs = [[] for _ in range(cfg.episodes)]
     for r in rows:
@@ -570,7 +613,8 @@ def main(cfg: BenchConfig) -> int:
                engine_tok_per_step=sum(r["engine_tokens"] for r in rows) / max(1, steps), syncs=syncs,
                critical_ms_per_step=1e3 * sum(cp.gaps) / max(1, steps) if cfg.stub_forward else None,
                critical_ms_median=1e3 * sorted(cp.gaps)[len(cp.gaps) // 2] if cp.gaps else None,
-               engine_stats=eng.stats, engine_cuda_graphs=eng.cuda_graphs, graph_error=eng.graph_error, turns=rows,
+               warm_up_s=warm_s, triton_compiles_timed=compiled, engine_stats=eng.stats, engine_cuda_graphs=eng.cuda_graphs,
+               graph_error=eng.graph_error, turns=rows,
                kv_all_episodes_gib=sum(map(len, convs)) * eng.kv_token_bytes / 2 ** 30)
     if k:
         res["speedup_first_k"] = res["engine_tok_s_first_k"] / max(1e-9, res["plain_tok_s_first_k"])
@@ -615,6 +659,9 @@ def main(cfg: BenchConfig) -> int:
     print(f"| engine seconds in admissions (cache loads, prefill, first sample); in graph captures | "
           f"{res['admit_s']:.2f}; {res['capture_s']:.2f} |")
     print(f"| ms per decode step without them | {res['decode_ms_per_step']:.2f} |")
+    print(f"| untimed warm-up before the turns (two 4-token turns of all episodes: compiles, first captures) | "
+          f"{warm_s:.2f} s |")
+    print(f"| Triton kernel variants compiled during the timed turns | {len(compiled)} {sorted(set(compiled))} |")
     print(f"| admissions; decode steps that fed follow-up turns (mixed steps) | {eng.stats['admissions']}; "
           f"{eng.stats.get('feed_steps', 0)} |")
     print(f"| host CPU ms per decode step (process time, all threads, incl. admissions) | "

@@ -239,6 +239,24 @@ def test_tiny_moe_drives_the_env_and_its_garbage_is_handled(tmp_path):
     assert short.stop_reason == "context" and len(short.turns) == 1
 
 
+def test_overlapped_turns_equal_turn_by_turn(tmp_path):
+    """run_episodes with a streaming policy (HFPolicy on generate.Engine): each episode's next turn starts when
+    its tools finish, and the trajectories (messages, sampled ids, log-probs) equal turn-by-turn ones."""
+    model, tok = build_tiny_model_and_tokenizer(seed=0)
+    model = model.float()
+    runs = {}
+    for overlap in (False, True):
+        pol = HFPolicy(model, tok, max_new_tokens=24, temperature=1.0, seed=0, engine=True, max_batch=3)
+        cfg = EnvConfig(work_dir=str(tmp_path / f"ws{overlap}"), max_turns=3, final_check=False, overlap_turns=overlap)
+        runs[overlap] = run_episodes(pol, [Task(code=TASK)] * 4, None, cfg)
+        assert not pol.engine.episodes, "every episode's cache is released at its end"
+        assert pol.calls == (0 if overlap else 3), "overlapped: no turn-by-turn act calls"
+    for a, b in zip(runs[False], runs[True]):
+        assert [m["content"] for m in a.messages] == [m["content"] for m in b.messages]
+        assert (a.ids, a.mask, a.stop_reason) == (b.ids, b.mask, b.stop_reason) and len(a.turns) == 3
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+
+
 # ---------------------------------------------------------------------------------------------- solve (CLI)
 def test_solve_through_the_cli_saves_transcript_trajectory_and_best(tmp_path, capsys):
     from cuda_agent import main

@@ -3,8 +3,10 @@
 Each test plays several multi-turn episodes with ragged prompt/observation lengths and per-episode budgets,
 with a large stop set so that episodes stop at different points, and checks one property.
 """
+import concurrent.futures
 import copy
 import random
+import time
 
 import pytest
 import torch
@@ -228,6 +230,64 @@ def test_follow_ups_equal_turn_by_turn(model, monkeypatch):
             turns = [t for _, t in order]
             assert turns != sorted(turns), "no episode began a turn before all had finished the previous one"
         assert eng.fed == {e: len(eng.history(e)) - 1 for e in script}    # every token fed once: no re-prefill
+
+
+@pytest.mark.parametrize("cfg", [dict(max_batch=6), dict(max_batch=6, feed_tokens=0), dict(max_batch=3),
+                                 dict(max_batch=4, kv_budget_gib=300)])
+def test_follow_ups_that_arrive_later_equal_turn_by_turn(model, cfg):
+    """follow answers with a Future while the episode's tools run (here: 0-30 ms on a thread pool): its row
+    waits with its cache and the others decode on; the same tokens and log-probs as one `step` per turn, with
+    rows fed in place or admitted, fewer rows than episodes, and a KV budget (in tokens here)."""
+    script = long_script(6, 4, seed=23)
+    ref, eng0 = run_engine(model, script, max_batch=4, temperature=0.8, seed=5)
+    if "kv_budget_gib" in cfg:
+        cfg = dict(cfg, kv_budget_gib=cfg["kv_budget_gib"] * eng0.kv_token_bytes / 2 ** 30)
+    rng, outs = random.Random(7), {e: [] for e in script}
+    eng = Engine(model, None, stop_ids=STOP, temperature=0.8, seed=5, **cfg)
+
+    def tools(e):
+        time.sleep(rng.random() * 0.03)
+        return script[e][len(outs[e])] if len(outs[e]) < len(script[e]) else None
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        def follow(res):
+            outs[res[0]].append(res[1:])
+            return pool.submit(tools, res[0])
+
+        eng.step([(e, *turns[0]) for e, turns in script.items()], follow=follow, release=True)
+    assert_same(outs, ref, tol=1e-5)
+    assert not eng.episodes, "release=True: every episode that left is released"
+
+
+def test_step_full_follow_ups_rewind(model):
+    """step_full(follow=): follow answers with whole conversations; one that re-renders an earlier token (here
+    the turn's last cached one, as chat templates may do with a turn's markup) cuts the cache back there in its
+    row, with the tokens of a turn-by-turn step_full driven the same way."""
+    script = long_script(4, 4, seed=24)
+
+    def drive(overlap):
+        eng = Engine(model, None, stop_ids=STOP, max_batch=4, temperature=0.0, feed_tokens=16 if overlap else 0)
+        conv, outs = {e: list(t[0][0]) for e, t in script.items()}, {e: [] for e in script}
+
+        def nxt(e, ids):
+            outs[e].append(ids)
+            if len(outs[e]) == len(script[e]):
+                return None
+            conv[e] += ids[:-2] + [3] + ids[-1:] + script[e][len(outs[e])][0]   # a cached token re-rendered
+            return list(conv[e]), 8
+
+        if overlap:
+            eng.step_full([(e, list(c), 8) for e, c in conv.items()], follow=lambda r: nxt(r[0], r[1]), release=True)
+        else:
+            live = list(script)
+            while live:
+                res = eng.step_full([(e, list(conv[e]), 8) for e in live])
+                live = [e for e, ids, _, _ in res if nxt(e, ids) is not None]
+        return outs, eng
+
+    (turns, eng), (ref, eng_ref) = drive(True), drive(False)
+    assert turns == ref and eng.stats["rewinds"] == eng_ref.stats["rewinds"] > 0
+    assert eng.stats["feed_steps"] > 0 and not eng.episodes
 
 
 def test_follow_ups_over_a_kv_budget_wait_for_the_next_run(model):

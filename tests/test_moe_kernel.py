@@ -113,6 +113,23 @@ def test_live_tokens_skip_the_others(fused_calls):
     torch.testing.assert_close(b, eager(ex, x[:5], idx[:5], w[:5]), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("dead", [0, 9])
+def test_grouped_moe_matches_eager(dead):
+    """grouped_moe (the prefill path: pairs sorted by expert, torch._grouped_mm, the weighted top-k sum through
+    `topk_sum`'s row map) equals eager; dead tokens' pairs sort after every group and are never computed (their
+    inputs here are NaN), and the tokens get 0."""
+    ex = make_experts(16, 48, 40, 4)
+    x = torch.randn(37, 48, device=DEV)
+    idx, w = route(37, 16, 4, seed=5)
+    live = torch.ones(37, dtype=torch.bool, device=DEV)
+    live[torch.randperm(37, generator=torch.Generator().manual_seed(1))[:dead].to(DEV)] = False
+    ref = eager(ex, x, idx, w)
+    x[~live] = float("nan")
+    out = mk.grouped_moe(x, ex.gate_up_proj.detach(), ex.down_proj.detach(), idx, w, live=live if dead else None)
+    torch.testing.assert_close(out[live], ref[live], rtol=1e-4, atol=1e-5)
+    assert (out[~live] == 0).all()
+
+
 def test_transposed_layout():
     """(E, H, 2I) / (E, I, H) weights (is_transposed experts) give the same result through strides only."""
     ex = make_experts(8, 32, 32, 2)
@@ -213,7 +230,7 @@ def test_gpu_bf16_matches_grouped_mm(T, monkeypatch):
     """bf16 on CUDA vs transformers' grouped_mm (300 and 3000 tokens: moe_kernel's unmasked grouped_moe)."""
     mk.register()
     calls, real = [], mk.grouped_moe
-    monkeypatch.setattr(mk, "grouped_moe", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(mk, "grouped_moe", lambda *a, **k: calls.append(1) or real(*a, **k))
     ex = make_experts(64, 1024, 384, 8, dtype=torch.bfloat16)
     x = torch.randn(T, 1024, device=DEV, dtype=torch.bfloat16)
     idx, w = route(T, 64, 8, seed=T)
