@@ -19,6 +19,10 @@ Overlapped turns (`--overlap`): the engine runs all turns in one `Engine.step(fo
 observation joining as soon as its turn ends; the plain loop then replays the first turns on the conversations
 the engine produced, and the engine's rate over those turns is taken until every episode had finished them.
 
+Tool latency (`--tool-s S`): each observation arrives U(0, S) seconds after its turn (the sandbox's checks); a step per
+turn waits for the turn's slowest, overlapped turns wait on a thread pool while the other rows decode (as
+env.run_episodes drives HFPolicy.stream); reported as the rollout's tokens/s with the waits included.
+
 Reported: tokens/s of both over the turns both ran (the plain loop's later turns are only slower, so the
 speedup on its first turns is a lower bound), engine tokens/s over all turns, seconds per turn vs turn index,
 and under greedy decoding (`--temperature 0`) the fraction of turns where engine and plain produced the
@@ -42,6 +46,7 @@ Flags: --field-name VALUE for any BenchConfig field (tyro when installed, else a
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import dataclasses
 import json
@@ -102,6 +107,11 @@ class BenchConfig:
     overlap: bool = False
     """engine: one `step` per turn (as policy.HFPolicy drives it; the turn waits for its longest row); --overlap:
     one `step(follow=)` call for all turns, each episode's next turn joining as soon as its row finishes"""
+    tool_s: float = 0.0
+    """seconds each observation takes after its turn (the sandbox's compile, verify, profile): uniform in
+    [0, tool_s] per episode and turn. Overlapped turns wait for it on a thread pool (follow answers a Future, as
+    env.run_episodes does) while the other rows decode; a step per turn waits for the turn's slowest. Reported
+    as the rollout's tokens/s with the waits included"""
     feed_tokens: int = 128
     """engine, with --overlap: feed slots a decode step carries for follow-up turns (Engine(feed_tokens=)); 0: each
     group of follow-ups is admitted by its own prefill forward"""
@@ -402,9 +412,10 @@ def timed_plain_turn(model, convs, budgets, stop_ids, cfg, device, row: dict) ->
     return plain
 
 
-def lockstep_turns(cfg, eng, model, obs, budgets, stop_ids, device, cp):
+def lockstep_turns(cfg, eng, model, obs, budgets, stop_ids, device, cp, tools):
     """One engine `step` per turn over all episodes (the turn waits for its longest row); on turns < plain_turns
-    the plain loop runs first on the same conversations. Returns (rows, [identical, compared, max |dlp|])."""
+    the plain loop runs first on the same conversations; then the turn's slowest tool (`tools`[e][t] seconds).
+    Returns (rows, [identical, compared, max |dlp|])."""
     convs = [[] for _ in range(cfg.episodes)]
     rows, cmp = [], [0, 0, 0.0]
     for t in range(cfg.turns):
@@ -435,6 +446,8 @@ def lockstep_turns(cfg, eng, model, obs, budgets, stop_ids, device, cp):
         for e, (_, ids, _, _) in enumerate(outs):
             convs[e] += ids
         row["outs"] = [o[1] for o in outs]
+        row["tool_s"] = max(tools[e][t] for e in range(cfg.episodes)) if t + 1 < cfg.turns else 0.0
+        time.sleep(row["tool_s"])                                   # every episode's tools, run side by side
         rows.append(row)
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items() if k != "outs"}),
               flush=True)
@@ -453,7 +466,7 @@ def compare(outs: list, plain: list, cmp: list) -> int:
     return sum(o[0] == p[0] for o, p in zip(outs, plain))
 
 
-def overlapped_turns(cfg, eng, model, obs, budgets, stop_ids, device):
+def overlapped_turns(cfg, eng, model, obs, budgets, stop_ids, device, tools):
     """All turns in one engine `step(follow=)`: an episode's next observation joins the batch as soon as its turn
     ends. Then the plain loop replays turns < plain_turns on the conversations the engine produced. Returns
     (rows, cmp as lockstep_turns, window): window = seconds until every episode had finished turn plain_turns - 1
@@ -472,12 +485,16 @@ def overlapped_turns(cfg, eng, model, obs, budgets, stop_ids, device):
             done_at[t] = time.perf_counter() - a
             if t == k - 1:
                 window.update(s=done_at[t], tokens=sampled[0])
-        return (obs[e][t + 1], budgets[e][t + 1]) if t + 1 < cfg.turns else None
+        if t + 1 == cfg.turns:
+            return None
+        nxt = (obs[e][t + 1], budgets[e][t + 1])
+        return pool.submit(lambda: time.sleep(tools[e][t]) or nxt) if cfg.tool_s > 0 else nxt
 
     stats0 = dict(eng.stats)
     sync(device)
     a, cpu = time.perf_counter(), time.process_time()
-    eng.step([(e, obs[e][0], budgets[e][0]) for e in range(E)], follow=follow)
+    with concurrent.futures.ThreadPoolExecutor(E) as pool:     # the tools: one thread per episode
+        eng.step([(e, obs[e][0], budgets[e][0]) for e in range(E)], follow=follow)
     sync(device)
     wall, cpu = time.perf_counter() - a, time.process_time() - cpu
     d = {key: eng.stats.get(key, 0) - stats0.get(key, 0) for key in ("decode_steps", "admit_s", "graph_capture_s")}
@@ -502,6 +519,8 @@ def overlapped_turns(cfg, eng, model, obs, budgets, stop_ids, device):
                    capture_s=d["graph_capture_s"])
     for r in rows[1:]:
         r.update(engine_s=0.0, engine_cpu_s=0.0, decode_steps=0, admit_s=0.0, capture_s=0.0)
+    for r in rows:
+        r["tool_s"] = 0.0                              # waited for inside the call
     return rows, cmp, window
 
 
@@ -563,6 +582,8 @@ def main(cfg: BenchConfig) -> int:
                                         for _ in range(cfg.turns - 1)] for _ in range(cfg.episodes)]
     budgets = [[rng.randint(max(1, cfg.new_tokens // 2), cfg.new_tokens) for _ in range(cfg.turns)]
                for _ in range(cfg.episodes)]
+    trng = random.Random(cfg.seed + 1)                 # its own stream: the workload stays the same without tools
+    tools = [[trng.uniform(0, cfg.tool_s) for _ in range(cfg.turns)] for _ in range(cfg.episodes)]
     eng = Engine(model, None, max_batch=cfg.max_batch or cfg.episodes, max_new_tokens=cfg.new_tokens,
                  temperature=cfg.temperature, seed=cfg.seed, stop_ids=stop_ids, experts=cfg.experts,
                  fused=None if cfg.fused else False, attention=None if cfg.attention == "auto" else cfg.attention,
@@ -582,9 +603,9 @@ def main(cfg: BenchConfig) -> int:
     k = min(cfg.plain_turns, cfg.turns)
     with triton_compiles() as compiled:
         if cfg.overlap and not cfg.stub_forward:
-            rows, cmp, window = overlapped_turns(cfg, eng, model, obs, budgets, stop_ids, device)
+            rows, cmp, window = overlapped_turns(cfg, eng, model, obs, budgets, stop_ids, device, tools)
         else:
-            rows, cmp = lockstep_turns(cfg, eng, model, obs, budgets, stop_ids, device, cp)
+            rows, cmp = lockstep_turns(cfg, eng, model, obs, budgets, stop_ids, device, cp, tools)
             window = dict(s=sum(r["engine_s"] for r in rows[:k]), tokens=sum(r["engine_tokens"] for r in rows[:k]))
     same, total_cmp, max_dlp = cmp
     convs = [[] for _ in range(cfg.episodes)]
@@ -613,6 +634,7 @@ def main(cfg: BenchConfig) -> int:
                engine_tok_per_step=sum(r["engine_tokens"] for r in rows) / max(1, steps), syncs=syncs,
                critical_ms_per_step=1e3 * sum(cp.gaps) / max(1, steps) if cfg.stub_forward else None,
                critical_ms_median=1e3 * sorted(cp.gaps)[len(cp.gaps) // 2] if cp.gaps else None,
+               rollout_tok_s=sum(r["engine_tokens"] for r in rows) / sum(r["engine_s"] + r["tool_s"] for r in rows),
                warm_up_s=warm_s, triton_compiles_timed=compiled, engine_stats=eng.stats, engine_cuda_graphs=eng.cuda_graphs,
                graph_error=eng.graph_error, turns=rows,
                kv_all_episodes_gib=sum(map(len, convs)) * eng.kv_token_bytes / 2 ** 30)
@@ -654,6 +676,9 @@ def main(cfg: BenchConfig) -> int:
         print(f"| engine tok/s (turns 0..{k - 1}{until}) | {res['engine_tok_s_first_k']:.1f} |")
         print(f"| speedup (same turns; a lower bound for more turns) | {res['speedup_first_k']:.1f}x |")
     print(f"| engine tok/s (all {cfg.turns} turns) | {res['engine_tok_s']:.1f} |")
+    if cfg.tool_s > 0:
+        print(f"| rollout tok/s with tools of U(0, {cfg.tool_s:g}) s a turn (wall, the waits included) | "
+              f"{res['rollout_tok_s']:.1f} |")
     print(f"| engine ms per decode step (turn seconds incl. prefill / decode steps); sampled tokens per step | "
           f"{res['engine_ms_per_step']:.2f}; {res['engine_tok_per_step']:.1f} |")
     print(f"| engine seconds in admissions (cache loads, prefill, first sample); in graph captures | "
