@@ -10,8 +10,9 @@ and a batch waits for its longest row. `Engine` removes both costs:
     leave, waiting requests join mid-turn. With `step(..., follow=fn)` an episode's next turn joins as soon
     as its row finishes (turns overlap across episodes): it stays in its arena row and its new tokens ride in
     the next decode steps (`feed_tokens` slots a step, "mixed" steps, one CUDA graph), so no eager prefill
-    forward re-reads the weights for it (at the A3B shape 1,407-1,531 tok/s against 1,407 one `step` per turn,
-    docs/RESULTS.md §3).
+    forward re-reads the weights for it (at the A3B shape 1,517-1,535 tok/s against 1,411 one `step` per turn,
+    docs/RESULTS.md §3). fn may answer with a Future while the episode's tools run: the row waits with its
+    cache and the others decode on (policy.HFPolicy.stream, which env.run_episodes uses).
   * Each episode has its own CPU torch.Generator and one uniform draw per token, so samples do not depend on
     the batch; returned log-probs are log_softmax(logits) at temperature 1, unfiltered.
   * `kv_budget_gib` bounds the KV memory on the device: fewer arena rows, idle caches offloaded to pinned host
@@ -915,8 +916,8 @@ class RolloutBackend(Protocol):
     recomputed by the training-side model (paper §3.3, precision mismatch).
     """
 
-    def step(self, requests: list[tuple], follow=None) -> list[tuple[Hashable, list[int], list[float], str]]: ...
+    def step(self, requests: list[tuple], follow=None, release: bool = False) -> list[Result]: ...
 
-    def step_full(self, requests: list[tuple]) -> list[tuple[Hashable, list[int], list[float], str]]: ...
+    def step_full(self, requests: list[tuple], follow=None, release: bool = False) -> list[Result]: ...
 
     def release(self, episode_id: Hashable) -> None: ...
