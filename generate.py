@@ -228,7 +228,7 @@ class Engine:
                           forwards=0, admissions=0, compactions=0, rewinds=0, kv_offloaded_tokens=0,
                           kv_reloaded_tokens=0, kv_dropped_tokens=0, kv_offload_s=0.0, kv_peak_resident_gib=0.0,
                           kv_host_gib=0.0, kv_host_alloc_s=0.0, arena_rows_max=0, admit_s=0.0,
-                          graph_capture_s=0.0, arena_grows=0, feed_steps=0)
+                          graph_capture_s=0.0, arena_grows=0, feed_steps=0, rows_given_up=0)
 
     # ---- public API --------------------------------------------------------------------------------
 
@@ -400,6 +400,9 @@ class Engine:
                 # admit when a group of admit_min fits, when nothing decodes, or when the whole queue fits (with
                 # follow only once it outnumbers the decoding rows: more follow-ups are on their way)
                 busy = self._n_alive + self._n_feed + self._n_wait
+                if self._n_wait and len(self._queue) > B - busy:   # queued turns need the rows tools wait in
+                    self._give_up_rows(len(self._queue) - (B - busy))
+                    busy = self._n_alive + self._n_feed + self._n_wait
                 k = min(len(self._queue), B - busy)
                 admit = k > 0 and (self._n_alive == 0 or k >= admit_min or (
                     k == len(self._queue) and (self._follow is None or k >= self._n_alive)))
@@ -640,6 +643,17 @@ class Engine:
             return
         self._store(ep, r.eid, self.arena[:, :, row, :, :self._lens[row]])   # (layers, 2, Hkv, n, D) view
         self._follow_up(queue)
+
+    def _give_up_rows(self, n: int) -> None:
+        """Up to n rows whose episodes wait for their tools copy their caches out (`_store`) and wait without a
+        row, so that queued turns can take the rows (with a KV budget or more episodes than rows)."""
+        for i, r in enumerate(self.rows):
+            if n > 0 and r.wait is not None:
+                self._store(self.episodes[r.eid], r.eid, self.arena[:, :, i, :, :self._lens[i]])
+                self._waiting.append((r.eid, r.wait))
+                r.wait, n = None, n - 1
+                self._n_wait -= 1
+                self.stats["rows_given_up"] += 1
 
     def _poll(self, results: dict, block: bool, queue: list | None = None) -> None:
         """Take follow's answers that have come (block: wait for one first): a waiting row's episode goes on in

@@ -318,7 +318,8 @@ def topk_sum(src: torch.Tensor, T: int, K: int, live: torch.Tensor | None = None
 
 
 def grouped_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor, transposed: bool = False, live: torch.Tensor | None = None) -> torch.Tensor:
+                top_k_weights: torch.Tensor, transposed: bool = False,
+                live: torch.Tensor | None = None) -> torch.Tensor:
     """The same sum as `fused_moe` for prefill sizes: pairs sorted by expert, two `torch._grouped_mm` (CUTLASS on
     CUDA) calls. transformers' grouped_mm path does the same plus masked fills of every (pairs, H) and (pairs, 2I)
     intermediate (transformers 5.17; ~100 of 420 ms of a 12k-token A3B prefill, docs/RESULTS.md §3), which this

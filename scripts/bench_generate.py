@@ -635,8 +635,8 @@ def main(cfg: BenchConfig) -> int:
                critical_ms_per_step=1e3 * sum(cp.gaps) / max(1, steps) if cfg.stub_forward else None,
                critical_ms_median=1e3 * sorted(cp.gaps)[len(cp.gaps) // 2] if cp.gaps else None,
                rollout_tok_s=sum(r["engine_tokens"] for r in rows) / sum(r["engine_s"] + r["tool_s"] for r in rows),
-               warm_up_s=warm_s, triton_compiles_timed=compiled, engine_stats=eng.stats, engine_cuda_graphs=eng.cuda_graphs,
-               graph_error=eng.graph_error, turns=rows,
+               warm_up_s=warm_s, triton_compiles_timed=compiled, engine_stats=eng.stats,
+               engine_cuda_graphs=eng.cuda_graphs, graph_error=eng.graph_error, turns=rows,
                kv_all_episodes_gib=sum(map(len, convs)) * eng.kv_token_bytes / 2 ** 30)
     if k:
         res["speedup_first_k"] = res["engine_tok_s_first_k"] / max(1e-9, res["plain_tok_s_first_k"])

@@ -236,8 +236,9 @@ def test_follow_ups_equal_turn_by_turn(model, monkeypatch):
                                  dict(max_batch=4, kv_budget_gib=300)])
 def test_follow_ups_that_arrive_later_equal_turn_by_turn(model, cfg):
     """follow answers with a Future while the episode's tools run (here: 0-30 ms on a thread pool): its row
-    waits with its cache and the others decode on; the same tokens and log-probs as one `step` per turn, with
-    rows fed in place or admitted, fewer rows than episodes, and a KV budget (in tokens here)."""
+    waits with its cache and the others decode on (or gives the row up to a queued turn); the same tokens and
+    log-probs as one `step` per turn, with rows fed in place or admitted, fewer rows than episodes, and a KV
+    budget (in tokens here)."""
     script = long_script(6, 4, seed=23)
     ref, eng0 = run_engine(model, script, max_batch=4, temperature=0.8, seed=5)
     if "kv_budget_gib" in cfg:
@@ -257,6 +258,8 @@ def test_follow_ups_that_arrive_later_equal_turn_by_turn(model, cfg):
         eng.step([(e, *turns[0]) for e, turns in script.items()], follow=follow, release=True)
     assert_same(outs, ref, tol=1e-5)
     assert not eng.episodes, "release=True: every episode that left is released"
+    if cfg["max_batch"] < len(script):     # turns queued behind rows whose tools ran: those rows were given up
+        assert eng.stats["rows_given_up"] > 0, eng.stats
 
 
 def test_step_full_follow_ups_rewind(model):
