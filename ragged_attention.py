@@ -121,7 +121,7 @@ def _mixed_attention(query, key, value, feed: Feed, scale: float, decode) -> tor
         o = F.scaled_dot_product_attention(qd.reshape(B, Hkv, G, D), kd, vd, attn_mask=mask, scale=scale)
         out[:B] = o.reshape(B, Hq, D)
     qf = query[0, :, B:]                                                                          # (Hq, P, D)
-    if fused_ops.feed_attention_applies(qf, key):
+    if decode is not None and fused_ops.feed_attention_applies(qf, key):   # the engine's attention="triton"
         fused_ops.feed_attention(qf, key, value, feed.rows, feed.pos, scale, out=out[B:])
     else:   # torch: each block of feed tokens against its row's K/V (gathered), the G heads folded in
         P, BQ = qf.shape[1], feed.block

@@ -200,12 +200,15 @@ def run_follow(model, script, **kw):
 def test_follow_ups_equal_turn_by_turn(model, monkeypatch):
     """step(follow=...) overlaps turns across episodes (and widens the arena as contexts grow) with the same
     tokens and log-probs as one `step` per turn, sampled and greedy, dynamic and static (CUDA-graph) batches;
-    follow-ups fed through mixed steps (in chunks of 256 or 8 slots a step; the feed attention through Triton
-    where it runs, else torch) or admitted by their own prefill forwards (feed_tokens=0). Fed in place, a run
-    starts with twice the columns its first turns need; long observations take it past them."""
+    follow-ups fed through mixed steps (in chunks of 256 or 8 slots a step; the feed attention in torch, and with
+    attention="triton" through fused_ops' kernels where triton runs) or admitted by their own prefill forwards
+    (feed_tokens=0). Fed in place, a run starts with twice the columns its first turns need; long observations
+    take it past them."""
     import fused_ops
     short, long = long_script(6, 5, seed=21), long_script(6, 4, seed=21, obs=(40, 60))
-    cfgs = ((4, False, 256), (6, True, 256), (2, False, 256), (6, True, 8), (4, False, 0), (6, True, "torch"))
+    cfgs = ((4, False, 256), (6, True, 256), (2, False, 256), (6, True, 8), (4, False, 0))
+    if fused_ops.triton is not None and fused_ops.INTERPRET:     # CPU tensors: the kernels under the interpreter
+        cfgs += ((6, True, "triton"),)
     kws = (dict(temperature=0.8, top_p=0.9, seed=4), dict(temperature=0.0))
     runs = [(short, kw, cfg) for kw in kws for cfg in cfgs]
     runs += [(long, dict(temperature=0.0), cfg) for cfg in ((4, False, 256), (6, True, 256))]
@@ -215,10 +218,11 @@ def test_follow_ups_equal_turn_by_turn(model, monkeypatch):
         if key not in refs:
             refs[key] = run_engine(model, script, max_batch=4, **kw)[0]
         with monkeypatch.context() as mp:
-            if feed == "torch":
-                mp.setattr(fused_ops, "feed_attention_applies", lambda *a: False)
-            outs, eng, order = run_follow(model, script, max_batch=mb, static_batch=static,
-                                          feed_tokens=8 if feed == "torch" else feed, **kw)
+            calls, real = [], fused_ops.feed_attention
+            mp.setattr(fused_ops, "feed_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+            triton = dict(feed_tokens=8, attention="triton") if feed == "triton" else dict(feed_tokens=feed)
+            outs, eng, order = run_follow(model, script, max_batch=mb, static_batch=static, **triton, **kw)
+        assert bool(calls) == (feed == "triton"), "the feed attention follows the engine's attention choice"
         assert_same(outs, refs[key], tol=1e-5)
         if script is long or not feed:    # 120-token prompts, then +5..37 (short) or +40..72 (long) a turn
             assert eng.stats["arena_grows"] >= 1, eng.stats
