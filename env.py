@@ -12,6 +12,11 @@
     then their tool calls run on a thread pool, so episodes overlap their compiles. An episode stops on
     finish, the turn limit or the token budget; it keeps its best verdict with a snapshot of its files,
     then runs a final check. Returns one tasks.Trajectory per task.
+  * The token budget (`EnvConfig.max_context_tokens`) holds before each turn, not after: the policy gets it
+    in EpisodeState, samples at most what the prompt leaves of it and answers finish_reason "context" when
+    nothing is left (policy.HFPolicy); the episode then stops without a turn. Observations after the last turn
+    that would take the record past the budget are not recorded (no turn read them), so with a local policy
+    no record exceeds the budget.
 
 Departures from the paper
   1. Tool calls of one turn run after the whole batch has acted (a per-turn barrier), so a slow episode
@@ -54,6 +59,9 @@ class EpisodeState:
     messages: list[dict]              # chat so far, OpenAI format; assistant messages may carry "token_ids"
     tools: list[dict] | None = None   # function-calling schemas ({"type": "function", "function": {...}})
     cache: dict | None = None         # the episode's scratch for incremental tokenize_conversation (opaque)
+    # the episode's token budget (None: none): a turn samples at most budget - len(prompt) - 1 tokens, one being
+    # kept for the end-of-turn token that closes a cut turn; with nothing left the policy answers "context"
+    max_context_tokens: int | None = None
 
 
 @dataclass
@@ -63,8 +71,10 @@ class Action:
     tool_calls: list[dict] = field(default_factory=list)   # OpenAI format, arguments as a JSON string
     errors: list[str] = field(default_factory=list)        # one line per malformed call
     token_ids: list[int] | None = None         # sampled ids, end-of-turn token included (local policies)
-    logprobs: list[float] | None = None        # log-prob of each sampled id (same length)
-    finish_reason: str = "stop"                # "stop" | "length"
+    # the sampler's log-prob of each sampled id (same length): log_softmax(logits) at temperature 1, before
+    # top-p/top-k, so the probability the token was drawn with only at temperature 1 without them
+    logprobs: list[float] | None = None
+    finish_reason: str = "stop"                # "stop" | "length" | "context" (no room left: nothing sampled)
     n_context: int | None = None               # prompt + completion tokens after this turn, if known
 
     def message(self) -> dict:
@@ -212,7 +222,8 @@ class EnvConfig:
     max_turns: int = 150
     """turn limit (paper: 150 in training, 200 in evaluation)"""
     max_context_tokens: int = 131072
-    """stop when the conversation reaches this many tokens (paper: 128k agentic)"""
+    """token budget of an episode (paper: 128k agentic), held before each turn: a turn samples at most what the
+    prompt leaves of it, and an episode with no room left for a turn stops ("context")"""
     single_turn: bool = False
     """no tools: one response holding model_new.py and kernels in fenced blocks (the warm-up stage)"""
     work_dir: str = "runs/workspaces"
@@ -287,7 +298,7 @@ class Episode:
         self.tok_cache: dict = {}     # shared with the policy through EpisodeState.cache
 
     def state(self) -> EpisodeState:
-        return EpisodeState(self.id, self.messages, self.tools, self.tok_cache)
+        return EpisodeState(self.id, self.messages, self.tools, self.tok_cache, self.cfg.max_context_tokens)
 
     # ---- verdicts ------------------------------------------------------------------------------
     def check(self, profile: bool) -> dict:
@@ -363,7 +374,11 @@ class Episode:
 
     # ---- one turn --------------------------------------------------------------------------------
     def step(self, a: Action) -> None:
-        """Append the assistant turn and its observations; update counters and the stop condition."""
+        """Append the assistant turn and its observations; update counters and the stop condition. A "context"
+        action (no room left under the token budget, nothing sampled) is no turn: the episode stops."""
+        if a.finish_reason == "context":
+            self.done, self.stop_reason = True, "context"
+            return
         self.messages.append(a.message())
         first_obs = len(self.messages)
         self.turn_logprobs.append(a.logprobs)
@@ -389,7 +404,8 @@ class Episode:
         if notes and not self.done:
             self.messages.append({"role": "user", "content": "\n".join(f"[error] {n}" for n in notes)})
             self.log(self.id, "error", "; ".join(notes))
-        # token budget: what the policy reported, plus a rough count of the new observations (~3.5 chars/token)
+        # token budget, for policies that do not hold it before a turn themselves (policy.HFPolicy does): what the
+        # policy reported, plus a rough count of the new observations (~3.5 chars/token)
         obs_chars = sum(len(m.get("content") or "") for m in self.messages[first_obs:])
         self.n_context = max(self.n_context, a.n_context or 0) + int(obs_chars / 3.5)
         if not self.done and len(self.turns) >= self.cfg.max_turns:
@@ -442,13 +458,24 @@ class Episode:
                      if "compiled" in self.final_verdict else self.final_verdict["error"])
 
     def trajectory(self, tokenizer=None) -> Trajectory:
-        t = Trajectory(task=self.name, task_source=self.src, messages=self.messages, tools=self.tools,
+        """The episode's record. With a tokenizer: ids, mask and log-probs too, and observations after the last
+        turn that would take the record past the token budget are left out of it (no turn read them; the last
+        turn's calls keep their verdicts, and `observations_dropped` counts them)."""
+        msgs, record = self.messages, None
+        if tokenizer is not None:
+            record = tokenize_conversation(msgs, self.tools, tokenizer, cache=self.tok_cache)   # (ids, mask)
+            last = max((i for i, m in enumerate(msgs) if m["role"] == "assistant"), default=len(msgs) - 1)
+            if len(record[0]) > self.cfg.max_context_tokens and last < len(msgs) - 1:
+                self.turns[-1]["observations_dropped"] = len(msgs) - 1 - last
+                msgs = msgs[:last + 1]
+                record = tokenize_conversation(msgs, self.tools, tokenizer, cache=self.tok_cache)
+        t = Trajectory(task=self.name, task_source=self.src, messages=msgs, tools=self.tools,
                        turns=self.turns, final_verdict=self.final_verdict, final_reward=self.final_reward,
                        best_verdict=self.best_verdict, best_reward=self.best_reward, best_files=self.best_files,
                        invalid_calls=self.invalid_calls, repeated_calls=self.repeated_calls,
                        stop_reason=self.stop_reason)
-        if tokenizer is not None:
-            t.ids, t.mask = tokenize_conversation(self.messages, self.tools, tokenizer, cache=self.tok_cache)
+        if record is not None:
+            t.ids, t.mask = record
             t.logprobs = flat_logprobs(t.mask, self.turn_logprobs)
         return t
 

@@ -13,8 +13,9 @@ and a batch waits for its longest row. `Engine` removes both costs:
     forward re-reads the weights for it (at the A3B shape 1,517-1,535 tok/s against 1,411 one `step` per turn,
     docs/RESULTS.md §3). fn may answer with a Future while the episode's tools run: the row waits with its
     cache and the others decode on (policy.HFPolicy.stream, which env.run_episodes uses).
-  * Each episode has its own CPU torch.Generator and one uniform draw per token, so samples do not depend on
-    the batch; returned log-probs are log_softmax(logits) at temperature 1, unfiltered.
+  * Each episode has its own CPU torch.Generator and one uniform draw per token, so in fp32 samples do not
+    depend on the batch (in bf16 the batch changes the logits by rounding, and so can change a sample);
+    returned log-probs are log_softmax(logits) at temperature 1, before top-p/top-k.
   * `kv_budget_gib` bounds the KV memory on the device: fewer arena rows, idle caches offloaded to pinned host
     memory (or dropped and re-prefilled), least recently used first.
 The cache layout and why transformers' own continuous batching does not fit are explained above `Engine`.
@@ -203,6 +204,7 @@ class Engine:
         self.feed_tokens = feed_tokens
         self._mixed = False                         # this run feeds follow-ups through mixed steps
         self.arena: torch.Tensor | None = None      # (layers, 2, B, Hkv, C, D) while a `step` runs
+        self.rows: list[_Row] = []                  # the arena's rows; none yet when a step's turns had no room
         self._follow: Follow | None = None          # step's follow while it runs
         self._queue: list = []                      # (episode, budget) waiting for a row in the running `_run`
         self._later: list = []                      # follow-ups for the next `_run` of this step (arena too small)

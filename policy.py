@@ -7,7 +7,9 @@ tool-call parser; the tiny MoE + local tokenizer for tests; the real checkpoint 
     so every prompt extends the previous one plus what was sampled: the record re-tokenises exactly, and a
     KV cache can be carried across turns (`engine=`, generate.Engine). With the engine, `stream` overlaps
     turns: an episode's next turn is sampled as soon as its tools finish, while the others decode (what
-    env.run_episodes uses). Without an engine: one batched `model.generate` per turn.
+    env.run_episodes uses). Without an engine: one batched `model.generate` per turn. Either way a turn
+    samples at most what the episode's token budget (EpisodeState.max_context_tokens) leaves after its
+    prompt (`turn_budget`).
   * OpenAIPolicy: any /v1/chat/completions endpoint over urllib, with tool schemas, retries and backoff.
   * ReplayPolicy: plays back scripted or recorded assistant messages (tests, demos).
   * parse_tool_calls: JSON inside <tool_call> (Qwen3) and <function=NAME><parameter=K> (Qwen3-Coder).
@@ -17,7 +19,8 @@ tool-call parser; the tiny MoE + local tokenizer for tests; the real checkpoint 
 
 Departures from the paper
   1. The paper's rollout engine is not published; we sample with the training-side model itself
-     (`model.generate`, or generate.Engine); PPO recomputes log-probs on the training side (§3.3).
+     (`model.generate`, or generate.Engine). PPO recomputes the old log-probs on the training side; the
+     sampler's own (Action.logprobs, at temperature 1) measure the gap between the two (ppo.sampler_gap).
   2. The tiny tokenizer is trained on a small corpus of this project's own text, without word splitting, so
      its tokens are long domain phrases: the tiny model exists for tests and smoke runs.
 
@@ -296,13 +299,33 @@ class HFPolicy:
     def prompt_ids(self, s: EpisodeState) -> list[int]:
         return tokenize_conversation(s.messages, s.tools, self.tok, add_generation_prompt=True, cache=s.cache)[0]
 
+    def turn_budget(self, s: EpisodeState, prompt: list[int]) -> int:
+        """Tokens this turn may sample: max_new_tokens, and no more than the episode's token budget leaves after
+        the prompt and the end-of-turn token that closes a cut turn (env.tokenize_conversation appends it), so
+        the record stays within the budget. <= 0: no room, the turn is not sampled ("context")."""
+        if s.max_context_tokens is None:
+            return self.max_new_tokens
+        return min(self.max_new_tokens, s.max_context_tokens - len(prompt) - 1)
+
     def release(self, episode_id: int) -> None:
         """The episode ended: free its KV cache (engine path). env.run_episodes calls this."""
         self._turns.pop(episode_id, None)
         if self.engine is not None:
             self.engine.release(episode_id)
 
-    def _sample_plain(self, prompts: list[list[int]]) -> list[tuple[list[int], list[float], str]]:
+    def _sample_plain(self, prompts: list[list[int]], budgets: list[int]) -> list[tuple[list[int], list[float], str]]:
+        """One batched `model.generate` over the prompts with room left; each row is cut at its own budget."""
+        res: list = [([], [], "context")] * len(prompts)
+        todo = [i for i, b in enumerate(budgets) if b > 0]
+        if todo:
+            for i, r in zip(todo, self._generate([prompts[i] for i in todo], max(budgets[i] for i in todo))):
+                ids, lps, reason = r
+                if len(ids) > budgets[i]:                        # past this row's budget: cut, as "length"
+                    ids, lps, reason = ids[:budgets[i]], lps[:budgets[i]], "length"
+                res[i] = (ids, lps, reason)
+        return res
+
+    def _generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[tuple[list[int], list[float], str]]:
         dev = next(self.model.parameters()).device
         L = max(map(len, prompts))
         inp = torch.tensor([[self.pad_id] * (L - len(p)) + p for p in prompts], device=dev)   # (B, L) left-padded
@@ -311,12 +334,12 @@ class HFPolicy:
         with torch.no_grad():
             out = self.model.generate(input_ids=inp, attention_mask=att, do_sample=self.temperature > 0,
                                       temperature=self.temperature or None, top_p=self.top_p,
-                                      top_k=self.top_k, max_new_tokens=self.max_new_tokens,
+                                      top_k=self.top_k, max_new_tokens=max_new_tokens,
                                       eos_token_id=self.eot_id, pad_token_id=self.pad_id,
                                       return_dict_in_generate=True, output_logits=True)
         gen = out.sequences[:, L:]                                                  # (B, T)
-        logits = torch.stack(out.logits, dim=1).float()                             # (B, T, V)
-        lp = torch.log_softmax(logits / (self.temperature or 1.0), dim=-1)
+        logits = torch.stack(out.logits, dim=1).float()                             # (B, T, V) unprocessed
+        lp = torch.log_softmax(logits, dim=-1)          # at temperature 1, unfiltered: as generate.Engine's
         lp = lp.gather(-1, gen.unsqueeze(-1)).squeeze(-1)                           # (B, T)
         res = []
         for b in range(len(prompts)):
@@ -329,11 +352,12 @@ class HFPolicy:
         if not states:
             return []
         prompts = [self.prompt_ids(s) for s in states]
-        if self.engine is not None:
-            out = self.engine.step_full([(s.episode_id, p) for s, p in zip(states, prompts)])
+        budgets = [self.turn_budget(s, p) for s, p in zip(states, prompts)]
+        if self.engine is not None:   # a budget <= 0 comes back at once as a "context" result with no tokens
+            out = self.engine.step_full([(s.episode_id, p, b) for s, p, b in zip(states, prompts, budgets)])
             res = [(ids, lps, reason) for _, ids, lps, reason in out]
         else:
-            res = self._sample_plain(prompts)
+            res = self._sample_plain(prompts, budgets)
         self.calls += 1
         return [self._action(s, p, *r) for s, p, r in zip(states, prompts, res)]
 
@@ -359,19 +383,23 @@ class HFPolicy:
                     s = f.result()
                     if s is not None:
                         by_id[eid], prompts[eid] = s, self.prompt_ids(s)
-                    nxt.set_result(None if s is None else prompts[eid])
+                    nxt.set_result(None if s is None else (prompts[eid], self.turn_budget(s, prompts[eid])))
                 except BaseException as e:      # the engine re-raises it
                     nxt.set_exception(e)
 
             advance(eid, self._action(by_id[eid], prompts[eid], ids, lps, reason)).add_done_callback(ready)
             return nxt
 
-        self.engine.step_full([(eid, p) for eid, p in prompts.items()], follow=follow, release=True)
+        self.engine.step_full([(eid, p, self.turn_budget(by_id[eid], p)) for eid, p in prompts.items()],
+                              follow=follow, release=True)
         for eid in prompts:
             self._turns.pop(eid, None)
 
     def _action(self, s: EpisodeState, prompt: list[int], ids: list[int], lps: list[float], reason: str) -> Action:
-        """A sampled turn as an Action: text, parsed tool calls (ids numbered by the episode's turn), log-probs."""
+        """A sampled turn as an Action: text, parsed tool calls (ids numbered by the episode's turn), log-probs.
+        "context": no room was left under the token budget, nothing was sampled."""
+        if reason == "context":
+            return Action(text="", token_ids=[], logprobs=[], finish_reason="context", n_context=len(prompt))
         reason = "stop" if reason == "stop" else "length"
         n = self._turns[s.episode_id] = self._turns.get(s.episode_id, 0) + 1
         text = self.tok.decode(ids[:-1] if reason == "stop" else ids, skip_special_tokens=False)

@@ -3,16 +3,17 @@
   * Pure math on (B, T) tensors, tested against hand-computed cases (tests/test_ppo.py): token-level GAE
     (`compute_gae`: gamma 1, lambda 0.95, reward on the last policy token, V(s_T) = 0, multi-turn gaps
     skipped), the clipped policy loss with clip-higher (`ppo_policy_loss`, Eq. 5), `value_loss` against
-    V + A, masks, whitening, explained variance, entropy, the k3 KL, and the RFT filter (`rft_filter`).
+    V + A, masks, whitening, explained variance, entropy, the k3 KL, the RFT filter (`rft_filter`), and the
+    sampler-trainer gap with its optional correction (`sampler_gap`, `tis_weights`).
   * Models: one frozen base with two LoRA adapters, "actor" and "critic" (switched with set_adapter), and a
     scalar value head on the critic's last hidden state; the reference policy for the optional KL is a frozen
     copy of the actor taken at the start of the PPO stage (`snapshot_reference`: in stage 4, the RFT actor),
     or the base with adapters disabled when there is none. LoRA reaches attention and the fused 3-D MoE
     experts (peft `target_parameters`).
-  * Updates on named batch tensors: `collate` -> `score` (old log-probs and values) -> `compute_gae` ->
-    `whiten_advantages` -> `ppo_update` (or `sft_update` for RFT). Data parallel: gradients are all-reduced
-    by hand, because actor and critic share one PeftModel and DDP cannot wrap a model whose forward uses a
-    different adapter each time.
+  * Updates on named batch tensors: `collate` -> `score` (old log-probs and values; `collate_sampler` and
+    `sampler_gap` compare them with the sampler's) -> `compute_gae` -> `whiten_advantages` -> `ppo_update`
+    (or `sft_update` for RFT). Data parallel: gradients are all-reduced by hand, because actor and critic
+    share one PeftModel and DDP cannot wrap a model whose forward uses a different adapter each time.
 
   * Long trajectories: log-probs and entropies are computed at policy tokens only, with the vocabulary
     projection in checkpointed chunks of LOGIT_CHUNK positions (`token_logprobs`): the (T, V) fp32 logits
@@ -20,10 +21,17 @@
 
 Departures from the paper (the rest are listed in train.py):
   1. LoRA on one frozen base instead of full fine-tuning of two models.
-  2. Old log-probs are recomputed by the trainer (`score`), not taken from the rollout engine, which removes
-     the train/inference mismatch that §3.3 blames for ratio explosions.
+  2. Old log-probs are recomputed by the trainer (`score`), not taken from the rollout sampler. That makes the
+     PPO ratio exactly 1 before the first update, but it does not remove the train/inference mismatch that
+     §3.3 blames for ratio explosions: the tokens were drawn by the sampler, whose numbers differ (bf16, fused
+     Triton experts, CUDA graphs: on an H100 with the paper preset, 0.068 nats per policy token on average,
+     5.1% of policy tokens with a sampler/trainer ratio outside the clip range [0.8, 1.28]). The gap is
+     logged every PPO step (`sampler_gap`: logp_gap, gap_clip_share). Like the paper, we do not correct it by
+     default; --tis-cap C weights each token's policy loss by min(pi_old / pi_sampler, C) (`tis_weights`,
+     truncated importance sampling as verl's rollout correction does; off by default).
   3. Not stated in the paper, so ours: advantage whitening over the batch, value clipping (off), entropy
-     bonus and KL (off; its reference is a frozen copy of the actor, `snapshot_reference`).
+     bonus and KL (off; its reference is a frozen copy of the actor, `snapshot_reference`), gradient-norm
+     clipping at 1.0 per optimizer (--max-grad-norm), and a constant learning rate (no warm-up, no decay).
 
 Smoke: python -m pytest -q tests/test_ppo.py tests/test_ppo_learning.py
 """
@@ -150,24 +158,61 @@ def _per_trajectory_then_batch(per_token: torch.Tensor, mask: torch.Tensor, num_
 
 
 def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
-                    eps_low: float = 0.2, eps_high: float = 0.28, num_traj: int | None = None
-                    ) -> tuple[torch.Tensor, dict]:
+                    eps_low: float = 0.2, eps_high: float = 0.28, num_traj: int | None = None,
+                    is_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """Clipped-ratio PPO loss with clip-higher (Eq. 5, §4.1: eps_low 0.2, eps_high 0.28).
 
-    logp, old_logp, adv, mask: (B, T). Returns (scalar loss, stats) where stats has the token-mean
-    `clipfrac` (share of tokens where the clipped branch is active) and `approx_kl` (k3 estimator,
-    E[(r - 1) - log r], r = pi/pi_old, which is >= 0 and unbiased for KL(pi_old || pi)).
+    logp, old_logp, adv, mask: (B, T). is_weight (B, T), optional and detached: each token's clipped loss is
+    multiplied by it (`tis_weights`, --tis-cap; None = 1, the paper). Returns (scalar loss, stats) where stats
+    has the token-mean `clipfrac` (share of tokens where the clipped branch is active) and `approx_kl` (k3
+    estimator, E[(r - 1) - log r], r = pi/pi_old, which is >= 0 and unbiased for KL(pi_old || pi)).
     """
     log_ratio = (logp - old_logp) * mask
     ratio = torch.exp(log_ratio)  # (B, T)
     pg1 = -adv * ratio
     pg2 = -adv * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
     per_token = torch.maximum(pg1, pg2)
+    if is_weight is not None:
+        per_token = per_token * is_weight.detach()
     loss = _per_trajectory_then_batch(per_token, mask, num_traj)
     with torch.no_grad():
         clipfrac = masked_mean((pg2 > pg1).float(), mask)
         approx_kl = masked_mean((ratio - 1.0) - log_ratio, mask)
     return loss, {"clipfrac": clipfrac.item(), "approx_kl": approx_kl.item()}
+
+
+@torch.no_grad()
+def tis_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance weights for the sampler-trainer gap (--tis-cap; verl's token-level rollout
+    correction): w = min(pi_old / pi_sampler, cap) = min(exp(old_logp - sampler_logp), cap) where mask == 1,
+    1 elsewhere (rows without sampler log-probs, such as replayed demonstrations, have mask 0). All (B, T).
+    The tokens were drawn by the sampler, so w re-weights the trainer's loss toward the trainer's own policy;
+    the cap bounds the variance of the rare tokens the trainer finds far likelier than the sampler did."""
+    w = torch.exp(old_logp - sampler_logp).clamp(max=cap)
+    return torch.where(mask > 0, w, torch.ones_like(w))
+
+
+@torch.no_grad()
+def sampler_gap(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, eps_low: float = 0.2,
+                eps_high: float = 0.28, cap: float | None = None) -> dict:
+    """How far the rollout sampler's log-probs are from the trainer's recomputed old log-probs, over the policy
+    tokens that have sampler log-probs (mask (B, T)), summed over data-parallel ranks (every rank must call it):
+    `logp_gap`, the token mean of |old_logp - sampler_logp| in nats; `gap_clip_share`, the share of tokens whose
+    ratio pi_old / pi_sampler lies outside the clip range [1 - eps_low, 1 + eps_high] (what the clip would already
+    cut before the policy moved); with `cap`, `tis_capped_share`, the share truncated by --tis-cap. Empty when
+    no rank has such a token."""
+    on = mask > 0
+    d = (old_logp - sampler_logp)[on]                                       # (N,) log pi_old - log pi_sampler
+    r = torch.exp(d)
+    parts = [d.abs().sum(), ((r < 1.0 - eps_low) | (r > 1.0 + eps_high)).sum().to(d.dtype),
+             (r > cap).sum().to(d.dtype) if cap is not None else d.new_zeros(()), d.new_tensor(float(d.numel()))]
+    s = global_sum(torch.stack(parts).double())
+    if s[3] == 0:
+        return {}
+    out = {"logp_gap": (s[0] / s[3]).item(), "gap_clip_share": (s[1] / s[3]).item()}
+    if cap is not None:
+        out["tis_capped_share"] = (s[2] / s[3]).item()
+    return out
 
 
 def value_loss(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
@@ -470,6 +515,20 @@ def collate(ids: list[list[int]], masks: list[list[int]], rewards: list[float] |
     return tuple(x.to(device) for x in out)
 
 
+def collate_sampler(logprobs: list[list[float] | None], b_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(b_sampler_logp, b_sampler_mask), each (B, T) like collate's and on b_mask's device: the log-probs the
+    rollout sampler recorded for each row's tokens (Trajectory.logprobs, 0 off the policy tokens), and b_mask
+    kept only on the rows that have them (None: a replayed demonstration, which no sampler drew)."""
+    B, T = b_mask.shape
+    lp = torch.zeros(B, T, device=b_mask.device)
+    has = torch.zeros(B, 1, device=b_mask.device)
+    for i, row in enumerate(logprobs):
+        if row:
+            lp[i, :len(row)] = torch.as_tensor(row, dtype=torch.float32)
+            has[i] = 1.0
+    return lp, b_mask * has
+
+
 def micro_batches(idx: list[int], size: int, b_attn: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
     """Row indices in chunks of `size`, each with its own padded length (the longest row in the chunk), so
     a micro-batch costs what its own rows cost, not what the longest row of the batch costs."""
@@ -550,12 +609,15 @@ def all_reduce_grads(params: list[torch.nn.Parameter]) -> None:
 
 
 def ppo_update(model, head, opt: dict, cfg, b_ids, b_attn, b_mask, b_logp, b_values, b_adv, b_returns,
-               b_ref_logp=None, n_global: int | None = None, train_actor: bool = True, train_critic: bool = True
-               ) -> dict:
-    """PPO epochs (Eq. 5): clipped policy loss (+ optional KL to the base, + optional entropy bonus) on the
-    actor, value loss on the critic. All tensors (B, T). One optimizer step per minibatch; micro-batches
-    accumulate gradients with the full-minibatch trajectory count (§4.1: mean over each trajectory's tokens,
-    then over trajectories), so the update does not depend on the micro-batch size."""
+               b_ref_logp=None, n_global: int | None = None, train_actor: bool = True, train_critic: bool = True,
+               b_tis=None) -> dict:
+    """PPO epochs (Eq. 5): clipped policy loss (+ optional KL to the reference policy, `snapshot_reference`, +
+    optional entropy bonus) on the actor, value loss on the critic. All tensors (B, T); b_tis: optional
+    truncated importance weights on the policy loss (`tis_weights`, --tis-cap). One optimizer step per
+    minibatch; micro-batches accumulate gradients with the full-minibatch trajectory count (§4.1: mean over
+    each trajectory's tokens, then over trajectories), so the update does not depend on the micro-batch size.
+    A micro-batch with no policy token adds nothing to any loss and is skipped (its log-probs would carry no
+    graph to differentiate)."""
     B = len(b_ids)
     n_all = int(global_sum(torch.tensor(float(B), device=b_ids.device)).item())
     assert n_global is None or n_global == n_all, f"n_global {n_global} != {n_all} trajectories over all ranks"
@@ -573,12 +635,15 @@ def ppo_update(model, head, opt: dict, cfg, b_ids, b_attn, b_mask, b_logp, b_val
                 o.zero_grad(set_to_none=True)
             for rows, T in micro_batches(mb, cfg.micro_batch_size, b_attn):
                 ids, attn, mask = b_ids[rows, :T], b_attn[rows, :T], b_mask[rows, :T]  # (b, T) each
+                if not mask.any():  # rows whose turns sampled no token: 0 in every loss
+                    continue
                 scale = n_traj / len(rows)  # per-micro-batch loss -> its own mean, for the logs
                 if train_actor:
                     logp, ent = actor_logprobs(model, ids, attn, cfg.temperature, with_entropy=True, mask=mask,
                                                entropy_grad=cfg.entropy_coef > 0)
                     pg, st = ppo_policy_loss(logp, b_logp[rows, :T], b_adv[rows, :T], mask, cfg.eps_low,
-                                             cfg.eps_high, num_traj=n_traj)
+                                             cfg.eps_high, num_traj=n_traj,
+                                             is_weight=b_tis[rows, :T] if b_tis is not None else None)
                     loss = pg
                     if cfg.kl_coef > 0:
                         kl = kl_penalty(logp, b_ref_logp[rows, :T], mask, num_traj=n_traj)
@@ -614,6 +679,8 @@ def sft_update(model, opt_actor, cfg, b_ids, b_attn, b_mask, n_global: int | Non
     opt_actor.zero_grad(set_to_none=True)
     nll_sum = 0.0
     for rows, T in micro_batches(list(range(B)), cfg.micro_batch_size, b_attn):
+        if not b_mask[rows, :T].any():  # nothing to imitate (and no graph to differentiate)
+            continue
         logp, _ = actor_logprobs(model, b_ids[rows, :T], b_attn[rows, :T], cfg.temperature, mask=b_mask[rows, :T])
         loss = _per_trajectory_then_batch(-logp, b_mask[rows, :T], n_all)
         loss.backward()

@@ -121,11 +121,13 @@ class Logger:
     postfix holds the last step's reward and pass rate and the phase now running (a step can take a minute
     on a CPU); `verbose` also prints every step's full line."""
 
-    KEYS = ("reward_mean", "pass_rate", "entropy", "clipfrac", "approx_kl", "explained_variance",
+    KEYS = ("reward_mean", "pass_rate", "entropy", "clipfrac", "approx_kl", "logp_gap", "gap_clip_share",
+            "explained_variance",
             "heldout_explained_variance", "heldout_ev_final_reward", "sft_nll", "v_loss", "n_kept", "gen_tok_s",
             "train_tok_s")
     SHORT = {"reward_mean": "reward", "pass_rate": "pass", "heldout_explained_variance": "ev_heldout",
-             "explained_variance": "ev", "sft_nll": "nll", "v_loss": "v_loss", "n_kept": "kept"}
+             "explained_variance": "ev", "sft_nll": "nll", "v_loss": "v_loss", "n_kept": "kept",
+             "logp_gap": "gap", "gap_clip_share": "gap_clip"}
 
     def __init__(self, run_dir: str, tensorboard: bool, enabled: bool, verbose: bool = False):
         self.path, self.enabled, self.t0, self.tb = os.path.join(run_dir, "metrics.jsonl"), enabled, time.time(), None

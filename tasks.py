@@ -287,7 +287,8 @@ class Trajectory:
     tools: list[dict] | None
     ids: list[int] = field(default_factory=list)        # env.tokenize_conversation(messages, tools, tok)[0]
     mask: list[int] = field(default_factory=list)       # 1 on policy-sampled tokens
-    logprobs: list[float] = field(default_factory=list)  # sampled log-prob on mask==1 tokens, 0.0 elsewhere
+    logprobs: list[float] = field(default_factory=list)  # sampler's log-prob at temperature 1 before top-p/top-k
+    # on mask==1 tokens, 0.0 elsewhere
     turns: list[dict] = field(default_factory=list)     # per turn: finish_reason, n_context, calls[...]
     final_verdict: dict | None = None           # the sandbox's verdict on the workspace as left
     final_reward: float = -1.0                  # reward.from_verdict(final_verdict, kind)

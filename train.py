@@ -6,7 +6,8 @@ Stages 1, 3, 4 run `ppo_iteration`: rollout (env.run_episodes, policy.HFPolicy o
 pool) -> reward (reward.py, Eq. 1) -> score -> GAE -> PPO update -> log. Math and models: ppo.py; logs: runlog.py.
 
 Ablations (one flag each; the default is the paper's recipe): --rft-steps 0, --value-pretrain-steps 0,
---env.reward speedup, --env.max-turns 1 (stages 2 and 4 single-turn), --kl-coef, --lora-rank, --lora-targets.
+--env.reward speedup, --env.max-turns 1 (stages 2 and 4 single-turn), --kl-coef, --lora-rank, --lora-targets,
+--tis-cap (truncated importance sampling against the sampler-trainer gap; off, as in the paper).
 
 Departures from the paper
   1. LoRA (rank 16 in the paper preset, both adapters on one frozen base) and hence our own learning rates,
@@ -24,9 +25,10 @@ Departures from the paper
      budget (--env.max-context-tokens) for both modes, a per-turn token cap (--max-new-tokens, 8,192 in the
      paper preset, stage 1's single answer included); stage 2's size (paper preset: 1,024 rollouts, 200 SFT
      steps of 64 trajectories = 12,800 samples drawn from the kept pool, ~12.5 epochs if all 1,024 are kept,
-     more if fewer are); stage 3's targets are Monte-Carlo returns (--value-lam 1), fitted on 75% of the
-     stage-2 trajectories (--value-heldout 0.25 held out to report explained variance); the KL reference
-     (--kl-coef, off) is the actor as each PPO stage starts (stage 4: the RFT actor).
+     more if fewer are); stage 3 fits its GAE targets (lambda 0.95 from the current critic, as the paper's
+     value pretraining; the tiny preset: Monte-Carlo returns, --value-lam 1) on 75% of the stage-2
+     trajectories (--value-heldout 0.25 held out to report explained variance); the KL reference (--kl-coef,
+     off) is the actor as each PPO stage starts (stage 4: the RFT actor).
   5. RFT filter: reward > 0, no loops, no repeated or malformed calls (the paper's pattern filter), and the
      agent turns that called no tool are not imitated (--rft-drop-no-call-turns, the paper's "redundant
      turns"); trajectories cut by a limit are kept unless --rft-drop-truncated.
@@ -161,6 +163,8 @@ def checkpoint(run: Run, stage: int, step: int, force: bool = False) -> None:
         ref = mine.clone()
         dist.broadcast(ref, 0)
         assert torch.allclose(mine, ref, rtol=1e-9, atol=0), f"rank {rank} diverged from rank 0: {mine} vs {ref}"
+    if rank > 0 and (force or step % run.cfg.checkpoint_every == 0):
+        save_rng(run.cfg.out, rank, stage, step)  # rank 0's RNG states go into checkpoint.pt
     if rank == 0 and (force or step % run.cfg.checkpoint_every == 0):
         cfg = run.cfg
         runlog.save_checkpoint(cfg.out, run.model, run.head, run.opt, stage, step, cfg)
@@ -169,6 +173,39 @@ def checkpoint(run: Run, stage: int, step: int, force: bool = False) -> None:
                 "max_new_tokens": cfg.max_new_tokens, "lora_rank": cfg.lora_rank, "lora_targets": cfg.lora_targets}
         tiny_base = os.path.join(cfg.out, "tiny_base")
         runlog.save_adapter(cfg.out, run.model, run.head, meta, tiny_base if cfg.model == "tiny" else None)
+
+
+def save_rng(out: str, rank: int, stage: int, step: int) -> None:
+    """This rank's RNG states (python, numpy, torch, CUDA) in OUT/rng_r{rank}.pt, stamped with the checkpoint's
+    stage and step (rank 0's are in checkpoint.pt). Each rank draws its own numbers (its rollout sampler's seed,
+    its minibatch orders, stage 3's batches), and a resume must give each rank its own back."""
+    state = {"stage": stage, "step": step, "python": random.getstate(), "numpy": np.random.get_state(),
+             "torch": torch.get_rng_state(),
+             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+    path = os.path.join(out, f"rng_r{rank}.pt")
+    torch.save(state, path + ".tmp")
+    os.replace(path + ".tmp", path)  # atomic, like checkpoint.pt
+
+
+def restore_rng(out: str, rank: int, stage: int, step: int, seed: int) -> bool:
+    """On resume, after runlog.load_checkpoint gave every rank rank 0's RNG states: rank > 0 takes back its own
+    from OUT/rng_r{rank}.pt. A missing file or one stamped with another stage or step (a kill between the
+    writes, or a rank the saved run did not have) reseeds from (seed, rank, stage, step) instead, so that ranks
+    still draw different numbers. True if the saved states were restored."""
+    path = os.path.join(out, f"rng_r{rank}.pt")
+    st = torch.load(path, map_location="cpu", weights_only=False) if rank > 0 and os.path.exists(path) else None
+    if st is None or (st["stage"], st["step"]) != (stage, step):
+        s = random.Random(f"{seed}:{rank}:{stage}:{step}").randrange(2 ** 31)
+        random.seed(s)
+        np.random.seed(s)
+        torch.manual_seed(s)  # CUDA generators included
+        return False
+    random.setstate(st["python"])
+    np.random.set_state(st["numpy"])
+    torch.set_rng_state(st["torch"])
+    if st["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])
+    return True
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -308,18 +345,28 @@ def ppo_iteration(run: Run, stage: int, step: int, trajs: list | None = None, si
     b_values, b_logp, b_ref_logp = ppo.score(run.model, run.head, b_ids, b_attn, cfg.micro_batch_size,
                                              cfg.temperature, need_logp=train_actor,
                                              need_ref=train_actor and cfg.kl_coef > 0, b_mask=b_mask)  # (B, T)
+    # the sampler-trainer gap on the tokens the rollout sampler drew (demonstrations have none), logged every
+    # PPO step; --tis-cap corrects it with truncated importance weights (off: the paper corrects nothing). The
+    # sampler records log-probs at temperature 1, so they compare with the trainer's only at temperature 1.
+    b_tis, gap = None, {}
+    if train_actor and cfg.temperature == 1.0:
+        b_slp, b_smask = ppo.collate_sampler([t.logprobs if t.source == "policy" else None for t in trajs],
+                                             b_mask)                                              # (B, T) each
+        gap = ppo.sampler_gap(b_logp, b_slp, b_smask, cfg.eps_low, cfg.eps_high, cfg.tis_cap)
+        if cfg.tis_cap is not None:
+            b_tis = ppo.tis_weights(b_logp, b_slp, b_smask, cfg.tis_cap)                         # (B, T)
     # 4) advantages: token-level GAE (Eq. 5, gamma 1, lambda 0.95); returns V + A are the critic's targets
-    # (stage 3 fits them with --value-lam: 1 = Monte-Carlo returns)
+    # (stage 3 fits them at --value-lam: the paper's 0.95 from the current critic; 1 = Monte-Carlo returns)
     lam = cfg.lam if train_actor else cfg.value_lam
     b_adv, b_returns = ppo.compute_gae(b_rewards, b_values, b_mask, cfg.gamma, lam)               # (B, T) each
     m = {**rollout_metrics(trajs, rewards, t_gen)} if fresh else {}
-    m.update(ppo.score_stats(b_values, b_returns, b_adv, b_mask))
+    m.update(ppo.score_stats(b_values, b_returns, b_adv, b_mask) | gap)
     if cfg.whiten_advantages:
         b_adv = ppo.whiten_advantages(b_adv, b_mask)
     # 5) PPO update: clipped actor loss with clip-higher + critic loss, per-trajectory-then-batch means
     t1 = time.time()
     m.update(ppo.ppo_update(run.model, run.head, run.opt, cfg, b_ids, b_attn, b_mask, b_logp, b_values, b_adv,
-                            b_returns, b_ref_logp, train_actor=train_actor))
+                            b_returns, b_ref_logp, train_actor=train_actor, b_tis=b_tis))
     n_tok = sum(len(t.ids) for t in trajs) * cfg.ppo_epochs * (2 if train_actor else 1)  # actor + critic passes
     m["train_tok_s"] = n_tok / max(time.time() - t1, 1e-9)
     if heldout:
@@ -531,6 +578,8 @@ def train(cfg: TrainConfig) -> int:
     # --sandbox.device auto (the default) -> cuda when torch lists a GPU, else cpu; resolved once, here
     sb = dataclasses.replace(cfg.sandbox, device=env.resolve_device(cfg.sandbox.device))
     cfg = dataclasses.replace(cfg, sandbox=sb)
+    assert cfg.tis_cap is None or cfg.temperature == 1.0, \
+        f"--tis-cap needs --temperature 1 (got {cfg.temperature}): the rollout sampler records log-probs at 1"
     device = setup(cfg)
     rank, world = rank_world()
     if cfg.cpu_threads > 0:
@@ -565,6 +614,8 @@ def train(cfg: TrainConfig) -> int:
         ck = runlog.load_checkpoint(cfg.out, model, head)
         if ck:
             stage, start = ck["stage"], ck["step"]
+            if rank > 0:  # load_checkpoint restored rank 0's RNG states
+                restore_rng(cfg.out, rank, stage, start, cfg.seed)
             print(f"[ppo] resumed from {cfg.out}/checkpoint.pt at stage {stage} ({STAGES.get(stage, 'done')}), "
                   f"step {start}", flush=True)
     if rank == 0:

@@ -109,10 +109,15 @@ class TrainConfig:
     """entropy bonus (paper: not stated; 0 = off)"""
     vf_clip: float | None = None
     """value-loss clip range around the old values (none = unclipped)"""
+    tis_cap: float | None = None
+    """truncated importance sampling against the sampler-trainer gap: each policy token's loss is weighted by
+    min(pi_old / pi_sampler, C) (ppo.tis_weights, token-level TIS as in verl's rollout correction; C = 2 is a
+    common choice); none = off, the paper (which corrects nothing). Needs --temperature 1: the sampler records
+    its log-probs at temperature 1"""
     whiten_advantages: bool = True
     """whiten advantages over the batch (paper: not stated)"""
     max_grad_norm: float = 1.0
-    """gradient-norm clip per optimizer"""
+    """gradient-norm clip per optimizer (paper: not stated)"""
     warmup_steps: int = 2
     """stage 1: single-turn PPO warm-up steps"""
     rft_rollouts: int = 16
@@ -136,8 +141,9 @@ class TrainConfig:
     value_heldout: float = 0.25
     """stage 3: share of the stage-2 trajectories held out to report explained variance"""
     value_lam: float = 1.0
-    """stage 3: GAE lambda of the critic's targets; 1 = Monte-Carlo returns (the final reward at every token,
-    independent of the critic being fitted); --value-lam 0.95 = stage 4's targets (not stated in the paper)"""
+    """stage 3: GAE lambda of the critic's targets, recomputed from the current critic each step (paper: 0.95,
+    its value pretraining fits GAE targets; the paper preset's); tiny: 1, Monte-Carlo returns (the final reward
+    at every token, independent of the critic being fitted), for the reason given under --lam"""
     agent_steps: int = 24
     """stage 4: agentic PPO steps (paper: 150). The tiny preset's 24 (192 episodes): at 12 its stage 4 rose
     above a frozen-actor control in 2 of 5 seeds (docs/RESULTS.md)"""
@@ -178,7 +184,8 @@ PRESETS = {
         lr_actor=3e-5, lr_rft=None, lr_critic=6e-5, lr_head=1e-4, kl_coef=0.0,  # ours: ~10x the paper's rates
         batch_size=1024, agent_batch_size=None, micro_batch_size=1,
         ppo_epochs=1, num_minibatches=1,     # "one update per batch"
-        lam=0.95, warmup_steps=50, rft_rollouts=1024, rft_steps=200, rft_target=None, rft_batch_size=64,  # ours
+        lam=0.95, value_lam=0.95,            # GAE of stages 1 and 4, and of stage 3's targets (§4.1, §3.3)
+        warmup_steps=50, rft_rollouts=1024, rft_steps=200, rft_target=None, rft_batch_size=64,  # ours
         value_pretrain_steps=50, agent_steps=150, checkpoint_every=1, sample_every=10, kv_budget_gib=40.0,
         rollout_experts="fused",             # ours: the Triton decode experts (docs/RESULTS.md §3)
         mixed_probe=0),                      # the paper trains on all its tasks

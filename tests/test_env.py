@@ -236,7 +236,55 @@ def test_tiny_moe_drives_the_env_and_its_garbage_is_handled(tmp_path):
         assert tokenize_conversation(back.messages, back.tools, tok) == (t.ids, t.mask)
     short = run_episodes(pol, [Task(code=TASK)], None, EnvConfig(work_dir=str(tmp_path / "w2"), max_context_tokens=100,
                                                       final_check=False))[0]
-    assert short.stop_reason == "context" and len(short.turns) == 1
+    assert short.stop_reason == "context" and short.turns == [], "the prompt alone is past the budget: no turn"
+
+
+@pytest.mark.parametrize("engine", [False, True])
+def test_the_token_budget_holds_before_each_turn(tmp_path, engine):
+    """HFPolicy samples at most what the prompt leaves of --env.max-context-tokens (one token kept for the
+    end-of-turn that closes a cut turn), an episode with no room left stops ("context") without a turn, and
+    observations past the budget stay out of the record: no record exceeds the budget. Plain `generate` and the
+    engine's overlapped turns alike."""
+    model, tok = build_tiny_model_and_tokenizer(seed=0)
+    model = model.float()
+    probe = env.Episode(0, Task(code=TASK), EnvConfig(work_dir=str(tmp_path / "probe")), None, sandbox.SandboxConfig())
+    n0 = len(tokenize_conversation(probe.messages, probe.tools, tok, add_generation_prompt=True)[0])
+    for k, budget in enumerate((n0 - 5, n0 + 1, n0 + 30, n0 + 150)):
+        pol = HFPolicy(model, tok, max_new_tokens=40, temperature=1.0, seed=k, engine=engine or None)
+        cfg = EnvConfig(work_dir=str(tmp_path / f"ws{k}"), max_turns=6, max_context_tokens=budget, final_check=False)
+        for t in run_episodes(pol, [Task(code=TASK)] * 2, None, cfg):
+            if budget <= n0 + 1:                                 # no room for one token and its end-of-turn
+                assert t.turns == [] and t.stop_reason == "context"
+                continue
+            assert t.turns and len(t.ids) <= budget, (budget, len(t.ids))
+            assert t.stop_reason == "context" or (budget == n0 + 150 and t.stop_reason == "max_turns")
+            if t.turns[-1].get("observations_dropped"):
+                assert t.messages[-1]["role"] == "assistant"
+            assert tokenize_conversation(t.messages, t.tools, tok) == (t.ids, t.mask)
+
+
+class OutOfRoom:
+    """Scripted: the first turn from `first`, then no room left for a turn (what HFPolicy answers)."""
+    def __init__(self, first):
+        self.replay = ReplayPolicy([first])
+
+    def act(self, states):
+        return [env.Action(text="", token_ids=[], logprobs=[], finish_reason="context")
+                if any(m["role"] == "assistant" for m in s.messages) else self.replay.act([s])[0] for s in states]
+
+
+def test_observations_past_the_budget_stay_out_of_the_record(tmp_path, tok):
+    first = turn(call("glob", pattern="*.md"))
+    run = lambda budget, d: run_episodes(OutOfRoom(first), [Task(code=TASK)], None, EnvConfig(  # noqa: E731
+        work_dir=str(tmp_path / d), max_context_tokens=budget, final_check=False), tokenizer=tok)[0]
+    full = run(131072, "a")
+    assert full.stop_reason == "context" and len(full.turns) == 1 and full.messages[-1]["role"] == "tool"
+    assert "INSTRUCTIONS.md" in full.messages[-1]["content"]
+    assert run(len(full.ids), "b").messages == full.messages                  # fits exactly: all recorded
+    n = len(tokenize_conversation(full.messages[:3], full.tools, tok)[0])    # up to the end of the turn
+    cut = run(n, "c")
+    assert cut.stop_reason == "context" and cut.messages == full.messages[:3] and len(cut.ids) == n
+    assert cut.turns[-1]["observations_dropped"] == 1 and cut.turns[-1]["calls"][0]["name"] == "glob"
 
 
 def test_overlapped_turns_equal_turn_by_turn(tmp_path):

@@ -177,6 +177,23 @@ def test_hf_policy_engine_path_matches_plain_path(tiny):
         assert e not in eng.episodes
 
 
+@pytest.mark.parametrize("engine", [False, True])
+def test_hf_policy_samples_within_the_token_budget(tiny, engine):
+    """A turn samples at most budget - len(prompt) - 1 tokens (the last one is for the end-of-turn token that
+    closes a cut turn); with no room left it samples nothing and says "context"; no budget: --max-new-tokens."""
+    model, tok = tiny
+    pol = HFPolicy(model.float(), tok, max_new_tokens=12, temperature=1.0, seed=0, engine=engine or None)
+    msgs = [{"role": "user", "content": "write a kernel"}]
+    n = len(pol.prompt_ids(EpisodeState(0, msgs, TOOLS)))
+    acts = pol.act([EpisodeState(e, msgs, TOOLS, {}, budget) for e, budget in
+                    enumerate((n + 4, n + 1, n - 3, None, n + 100))])
+    assert len(acts[0].token_ids) <= 3 and acts[0].finish_reason in ("stop", "length")
+    assert n + len(acts[0].token_ids) + (acts[0].finish_reason == "length") <= n + 4
+    for a in acts[1:3]:
+        assert (a.token_ids, a.logprobs, a.finish_reason, a.n_context) == ([], [], "context", n)
+    assert 0 < len(acts[3].token_ids) <= 12 and 0 < len(acts[4].token_ids) <= 12
+
+
 def test_hf_policy_engine_takes_the_experts_implementation(tiny):
     """--rollout-experts reaches the engine: HFPolicy(engine=True, experts="fused") decodes through moe_kernel's
     kernels (the Triton interpreter on CPU) and greedy turns equal the plain path's."""

@@ -425,3 +425,44 @@ def test_all_reduce_grads_with_a_gradient_on_one_rank_only(tmp_path, backend):
         assert torch.equal(g["a"], torch.full((2, 3), 3.0))
         assert torch.equal(g["b"], torch.arange(6.0).view(2, 3))
         assert g["c"] is None
+
+
+# ---------------------------------------------------------------- updates on a real (tiny) actor-critic
+
+def _tiny_actor_critic():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=50, hidden_size=16, intermediate_size=32, moe_intermediate_size=16,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                         num_experts=2, num_experts_per_tok=1, max_position_embeddings=64, tie_word_embeddings=False)
+    base = Qwen3MoeForCausalLM(cfg)
+    for p in base.parameters():
+        p.requires_grad_(False)
+    model, _ = ppo.add_actor_critic_adapters(base, rank=2, alpha=4, targets="attention")
+    return model, torch.nn.Linear(16, 1)
+
+
+def test_updates_skip_a_micro_batch_with_no_policy_token():
+    """A trajectory whose turns sampled no token (collate keeps it, all-zero mask) alone in a micro-batch (size 1,
+    the paper preset's) has nothing to differentiate: ppo_update and sft_update train on the other rows."""
+    import dataclasses
+
+    import train_config
+    cfg = dataclasses.replace(train_config.TrainConfig(), ppo_epochs=1, num_minibatches=1, micro_batch_size=1,
+                              kl_coef=0.0, entropy_coef=0.0)
+    b_ids, b_attn, b_mask, b_rewards = ppo.collate([[3, 4, 5, 6, 7], [3, 4, 5]], [[0, 0, 1, 1, 1], [0, 0, 0]],
+                                                   [1.0, -1.0], 0, "cpu")
+    assert b_mask[1].sum() == 0
+    model, head = _tiny_actor_critic()
+    before = [p.detach().clone() for p in ppo.adapter_params(model, "actor")]
+    b_values, b_logp, _ = ppo.score(model, head, b_ids, b_attn, 1, 1.0, b_mask=b_mask)
+    b_adv, b_returns = ppo.compute_gae(b_rewards, b_values, b_mask)
+    st = ppo.ppo_update(model, head, ppo.make_optimizers(model, head, cfg), cfg, b_ids, b_attn, b_mask, b_logp,
+                        b_values, b_adv, b_returns)
+    assert math.isfinite(st["pg_loss"]) and math.isfinite(st["v_loss"]) and st["grad_norm_actor"] > 0
+    assert any(not torch.equal(a, p) for a, p in zip(before, ppo.adapter_params(model, "actor")))
+    st = ppo.sft_update(model, ppo.make_optimizers(model, head, cfg)["actor"], cfg, b_ids, b_attn, b_mask)
+    assert st["sft_nll"] > 0 and st["grad_norm_actor"] > 0
+    # a batch of such trajectories only: no gradient at all, and no error
+    st = ppo.sft_update(model, ppo.make_optimizers(model, head, cfg)["actor"], cfg, b_ids[1:], b_attn[1:], b_mask[1:])
+    assert st["sft_nll"] == 0.0 and st["grad_norm_actor"] == 0.0

@@ -275,8 +275,10 @@ def test_update_with_unequal_shards_equals_one_process(tmp_path):
     ref = _one_update([0, 1, 2, 3, 4], n_global=5)
     for r in (0, 1):
         got = torch.load(f"{out}.{r}")
-        for a, b in zip(got, ref):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+        for a, b in zip(got, ref):  # Adam's first step moves an element by ~lr (1e-2) when its gradient is well
+            # above eps, by less and less exactly when it is not: the reduction order of 2 ranks shifts those
+            # few elements by a fraction of lr; a wrong trajectory count would shift every element by O(lr)
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     assert any(not torch.equal(a, b) for a, b in zip(ref, _params_before()))
 
 

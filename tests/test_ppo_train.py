@@ -111,10 +111,12 @@ def test_two_process_data_parallel_run(tmp_path):
     assert r.returncode == 0, out[-3000:]
     assert "rank 0/2" in out and "rank 1/2" in out, out[-3000:]
     assert os.path.exists(tmp_path / "ddp" / "checkpoint.pt") and "==== stage 4)" in out
+    assert os.path.exists(tmp_path / "ddp" / "rng_r1.pt"), "rank 1 keeps its own RNG states for a resume"
     rows = [json.loads(line) for line in open(tmp_path / "ddp" / "metrics.jsonl")]
     assert {r.get("stage") for r in rows} >= {1, 2, 3, 4}, rows
     rft = [r for r in rows if r.get("stage") == 2]
     assert rft[0]["n_kept"] >= 1 and any("sft_nll" in r for r in rft), rft  # SFT ran, on both ranks
+    assert all("logp_gap" in r for r in rows if r.get("stage") in (1, 4)), "the gap, summed over both ranks"
 
 
 def _fake_metrics(run_dir):
@@ -298,3 +300,58 @@ def test_reproduction_is_the_probability_of_sampling_the_kept_action_tokens(tmp_
     assert set(got) == {"a", "b"}
     for k in want:
         assert abs(math.log(got[k]) - want[k]) < 1e-4, (k, got[k], want[k])
+
+
+def test_each_rank_resumes_its_own_rng(tmp_path, monkeypatch):
+    """Data parallel resume, ranks simulated in one process: checkpoint() on rank r > 0 saves r's RNG states
+    beside checkpoint.pt (which holds rank 0's, and which runlog.load_checkpoint restores on every rank);
+    train.restore_rng gives each rank its own back, or, from a missing or stale file, a reseed of its own:
+    episode i must not draw the same numbers on every rank."""
+    import dataclasses
+    import random
+    import types
+
+    import numpy as np
+    import torch
+    sys.path.insert(0, ROOT)
+    import ppo
+    import train
+    import train_config
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    def seed_all(s):
+        random.seed(s)
+        np.random.seed(s)
+        torch.manual_seed(s)
+
+    def draws():
+        return random.random(), float(np.random.rand()), float(torch.rand(()))
+
+    base = Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                              moe_intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                              num_key_value_heads=1, head_dim=8, num_experts=2, num_experts_per_tok=1))
+    model, _ = ppo.add_actor_critic_adapters(base, rank=2, alpha=4, targets="attention")
+    cfg = dataclasses.replace(train_config.TrainConfig(), out=str(tmp_path))
+    run = types.SimpleNamespace(cfg=cfg, model=model, head=torch.nn.Linear(16, 1), device=torch.device("cpu"))
+    monkeypatch.setattr(train.dist, "barrier", lambda: None)            # one process stands in for each rank
+    monkeypatch.setattr(train.dist, "broadcast", lambda t, src: None)
+    want = {}
+    for rank in (1, 2):
+        monkeypatch.setattr(train, "rank_world", lambda r=rank: (r, 3))
+        seed_all(100 + rank)
+        train.checkpoint(run, 4, 7)                                        # rank r at stage 4, step 7
+        want[rank] = draws()
+    assert sorted(os.listdir(tmp_path)) == ["rng_r1.pt", "rng_r2.pt"], "ranks > 0 write no checkpoint.pt"
+    seed_all(0)                                  # rank 0's states: what load_checkpoint restores on every rank
+    rank0 = draws()
+    for rank in (1, 2):
+        seed_all(0)
+        assert train.restore_rng(str(tmp_path), rank, 4, 7, seed=0)
+        assert draws() == want[rank]
+    fallback = {}
+    for rank, step in ((1, 8), (3, 7)):          # a file of another step (a kill between writes); no file at all
+        seed_all(0)
+        assert not train.restore_rng(str(tmp_path), rank, 4, step, seed=0)
+        fallback[rank] = draws()
+        assert not train.restore_rng(str(tmp_path), rank, 4, step, seed=0) and draws() == fallback[rank]
+    assert len({rank0, want[1], want[2], fallback[1], fallback[3]}) == 5, "every rank draws its own numbers"
