@@ -12,6 +12,10 @@ Departures from the paper / KernelBench
   3. A harness crash is a failure with `harness_error`, retried on resume; a candidate's failure is not.
   4. A best solution that was only verified is profiled once more, so its speedups are measured.
   5. The sandbox's memory cap is 64 GB per child here (KernelBench L1 tensors reach 8 GB).
+  6. Samples mode judges samples by KernelBench's own rules (`--sandbox.rules kernelbench`: no torch compute,
+     outputs may be allocated with torch, e.g. `torch::zeros_like`), the rules they were written for; agent
+     mode by the paper's (`cuda-agent`), the rules the policy was trained under. Records and summary.json say
+     which profile each verdict used (sandbox_rules.py states both).
 
 Problems: --kernelbench-dir, else --hf-dataset, else $KERNELBENCH_DIR, else ./KernelBench (a clone of
 github.com/ScalingIntelligence/KernelBench); the hub only when named. Exit codes: 0 the run finished and
@@ -45,6 +49,7 @@ import env
 import policy
 import reward
 import sandbox
+import sandbox_rules
 import tasks
 import tools
 from tasks import Task
@@ -108,10 +113,11 @@ class EvalConfig:
     env: env.EnvConfig = field(default_factory=lambda: env.sized_env(max_turns_gpu=200))
     """agent mode: the episode (the paper's 200 evaluation turns with a GPU; 20 turns, 32k tokens without
     one); its work_dir is OUT/workspaces and its final check follows --sandbox.profile"""
-    sandbox: sandbox.SandboxConfig = field(default_factory=lambda: sandbox.SandboxConfig(device="auto",
-                                                                                         mem_limit_mb=65536))
+    sandbox: sandbox.SandboxConfig = field(default_factory=lambda: sandbox.SandboxConfig(
+        device="auto", mem_limit_mb=65536, rules="auto"))
     """how candidates are judged: --sandbox.device auto | cuda | cpu (cpu for smoke tests only), --sandbox.atol,
-    --sandbox.no-profile (correctness only), --sandbox.mem-limit-mb (KernelBench L1 inputs reach 8 GB)"""
+    --sandbox.no-profile (correctness only), --sandbox.mem-limit-mb (KernelBench L1 inputs reach 8 GB),
+    --sandbox.rules auto (kernelbench in samples mode, cuda-agent in agent mode) | kernelbench | cuda-agent"""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -138,8 +144,11 @@ def prepare(cfg: EvalConfig) -> EvalConfig:
         raise env.UsageError(f"--samples-dir: no such directory {cfg.samples_dir}")
     if cfg.samples_dir is None and (why := policy.policy_problem(cfg.policy)):
         raise env.UsageError(f"{why}; or pass --samples-dir DIR to score pre-generated kernels")
+    rules = cfg.sandbox.rules if cfg.sandbox.rules != "auto" else "kernelbench" if cfg.samples_dir else "cuda-agent"
+    if rules not in sandbox_rules.RULES:
+        raise env.UsageError(f"--sandbox.rules {cfg.sandbox.rules!r}: use auto, {', '.join(sandbox_rules.RULES)}")
     return dataclasses.replace(cfg, kernelbench_dir=source, hf_dataset=None, policy=policy.resolve_policy(cfg.policy),
-                               sandbox=dataclasses.replace(cfg.sandbox, device=dev))
+                               sandbox=dataclasses.replace(cfg.sandbox, device=dev, rules=rules))
 
 
 def run_key(cfg: EvalConfig) -> dict:
@@ -148,7 +157,7 @@ def run_key(cfg: EvalConfig) -> dict:
             "samples_dir": os.path.abspath(cfg.samples_dir) if cfg.samples_dir else None,
             "policy": None if cfg.samples_dir else [cfg.policy.kind, cfg.policy.model, cfg.policy.adapter,
                                                     cfg.policy.script],
-            "device": cfg.sandbox.device}
+            "device": cfg.sandbox.device, "rules": cfg.sandbox.rules}
 
 
 def claim_out(cfg: EvalConfig, res_path: str) -> None:
@@ -242,7 +251,12 @@ def error_verdict(msg: str, stage: str = "load") -> dict:
 def candidate_line(v: dict, source: str) -> dict:
     """One line per scored candidate (kept in the record so every sample's fate is visible)."""
     return {"source": source, "correct": passed(v), "candidate_ms": v.get("candidate_ms"),
-            "why": v.get("violation") or v.get("error")}
+            "why": v.get("violation") or v.get("error"), "rules": rules_of(v)}
+
+
+def rules_of(v: dict) -> str | None:
+    """The rule profile a verdict was judged by (None: it failed before the static scan, or never ran)."""
+    return (v.get("timings") or {}).get("rules")
 
 
 def make_record(p: Task, v: dict, source: str, n_candidates: int, flag: bool,
@@ -253,7 +267,7 @@ def make_record(p: Task, v: dict, source: str, n_candidates: int, flag: bool,
     return {"level": p.level, "problem_id": p.problem_id, "name": p.name, "correct": ok,
             "speedup_eager": se if ok else None, "speedup_compile": sc if ok else None,
             "tier": reward.reward_from_verdict(v, "milestone"),  # Eq. 1 with the 5% margin, for reference
-            "precision": v.get("precision"), "device": v.get("device"),
+            "precision": v.get("precision"), "device": v.get("device"), "rules": rules_of(v),
             "degenerate": DEGENERATE.get((p.level, p.problem_id)) if flag else None,
             "source": source, "n_candidates": n_candidates, "harness_error": harness_error, "verdict": v,
             "candidates": candidates or []}
@@ -295,7 +309,8 @@ def metrics(records: list[dict], level) -> dict:
             "fast_p": {f"{p:g}": fast(p, "speedup_eager") for p in P_VALUES},
             "fast_p_compile": {f"{p:g}": fast(p, "speedup_compile") for p in P_VALUES},
             "device": _joined(r["device"] for r in records),
-            "precision": _joined(r["precision"] for r in records)}
+            "precision": _joined(r["precision"] for r in records),
+            "rules": _joined(r.get("rules") for r in records)}
 
 
 def summarize(records: list[dict]) -> dict:
@@ -376,6 +391,7 @@ def text_table(rows: list[list[str]]) -> str:
 def write_report(path: str, summary: dict, records: list[dict], cfg: EvalConfig) -> None:
     mode = f"samples from `{cfg.samples_dir}`" if cfg.samples_dir else f"agent, policy `{cfg.policy}`"
     parts = [f"# KernelBench evaluation ({mode})", "",
+             f"Rules: `{cfg.sandbox.rules}` (--sandbox.rules; sandbox_rules.py states what each profile allows).", "",
              "Metrics as paper Table 1: rates over all problems; faster = correct and plainly faster "
              "(no 5% margin); geomeans over correct solutions; fast_p (KernelBench) = correct and speedup over "
              "eager > p. Overall is pooled over problems (weighted by problem count).", "",
@@ -587,7 +603,8 @@ def _run(cfg: EvalConfig, problems: list[Task], res_path: str) -> int:
     todo = [p for p in problems if (p.level, p.problem_id) not in done
             or done[(p.level, p.problem_id)].get("harness_error")]
     print(f"kernelbench_eval: {len(problems)} problems (levels {cfg.level}), {len(problems) - len(todo)} "
-          f"already in {res_path}, {len(todo)} to score ({'samples' if cfg.samples_dir else 'agent'} mode)")
+          f"already in {res_path}, {len(todo)} to score ({'samples' if cfg.samples_dir else 'agent'} mode, "
+          f"rules {cfg.sandbox.rules})")
     keys = {(p.level, p.problem_id) for p in problems}
 
     if todo:
@@ -627,6 +644,7 @@ def _run(cfg: EvalConfig, problems: list[Task], res_path: str) -> int:
     for r in records:  # the flag follows this run's setting, also for records from an earlier run
         r["degenerate"] = DEGENERATE.get((r["level"], r["problem_id"])) if cfg.flag_degenerate else None
     summary = summarize(records)
+    summary["rules"] = cfg.sandbox.rules   # this run's profile; each record says the one its verdict used
     summary["config"] = dataclasses.asdict(cfg)
     with open(os.path.join(cfg.out, "summary.json.tmp"), "w") as f:
         json.dump(summary, f, indent=2)

@@ -1,88 +1,96 @@
 """The sandbox: isolated compile -> verify -> profile of a candidate kernel, and its verdict.
 
-Every reward in training and every number in evaluation comes from `check()`. The host (this file) never
-imports candidate code: each compile, reference run and candidate run is its own child process
-(`python sandbox_worker.py JOBFILE`) inside bubblewrap, and the host compares the candidate's outputs
-with reference outputs that only the host holds. Candidate children are started ahead of time (warm
-spares: torch imported, CUDA up) and each serves exactly one candidate; so do two reference children per
-GPU (torch.compile's modules imported too) and two load_inline build children (torch's extension builder
-imported). Files: this one (what runs, the verdict), sandbox_child.py (isolation, the child and its
-channel), sandbox_spares.py (the warm children), sandbox_build.py (kernel compiles, load_inline builds, the
-dispatch guard's build), sandbox_reference.py (reference children, seed pools, baselines), sandbox_rules.py
-(static scan, comparison, timing); inside the child: sandbox_worker.py (the jobs, the dispatch guard, the runtime
-helpers), sandbox_measure.py (inputs, sketches, the baseline timer), sandbox_wire.py (the result channel),
-sandbox_inline.py and sandbox_guard.cpp; workspace.py (reading untrusted files, validating task and solution
-files).
+Every reward in training and every number in evaluation comes from `check()`. Three kinds of process take part,
+and only one of them ever runs candidate code:
+  * the host (this file): compiles through children, reads the verdict; never imports candidate code;
+  * the driver (sandbox_driver.py, a child per task, kept across checks): the pristine task, the inputs of
+    every call, the reference outputs, the clock and every comparison; it runs no candidate code;
+  * the computing child (one per check, a warm spare or a fresh one): maps the driver's shared input and
+    output regions and, when asked, runs forward on the inputs and copies the result into the output region.
+    It is a candidate's, or a baseline's (eager and `torch.compile`, timed by the same driver path).
+Files: this one (what runs, the verdict), sandbox_child.py (isolation, the child and its channel),
+sandbox_spares.py (the warm children), sandbox_build.py (kernel compiles, load_inline builds, the dispatch
+guard's build), sandbox_reference.py (the host's side of drivers and sessions, baselines), sandbox_rules.py
+(static scan, comparison, timing statistic); inside children: sandbox_driver.py, sandbox_share.py (shared
+regions, GPU flags, the L2 controls, the freezer), sandbox_worker.py (the jobs, the dispatch guard, the runtime
+helpers), sandbox_measure.py (inputs), sandbox_wire.py (the channels), sandbox_inline.py and sandbox_guard.cpp;
+workspace.py (reading untrusted files, validating task and solution files).
 
-Threat model. COVERED:
-  * Isolation per job: bwrap (`--unshare-all`: no network, own pid/ipc/uts namespaces; `/` read-only,
-    private /tmp and /dev/shm, only the job's own dir writable). Compile and candidate children do not see
-    the cache dir, the repository or the workspace's parent (other episodes); the worker script is bound in
-    at a private path. Fallbacks: `unshare --net` (no filesystem isolation), then rlimits only; the level
-    used is in `Verdict.timings["isolation"]`.
-  * Limits: wall clock (process tree SIGKILLed), memory (RSS of the tree polled; cpu children also get
-    RLIMIT_AS; cuda children an allocator fraction), RLIMIT_CORE/FSIZE/NPROC; per workspace at most
-    `max_kernels` kernels and `compile_budget_s` of compiling. Every candidate failure is a verdict.
-  * Workspace files: the host lstat()s before it reads, hashes or copies (workspace.py); symlinks, FIFOs,
-    devices and sockets are refused with a verdict error; reads are capped; nothing is followed. The
-    compile cache key covers every file the compiler sees: kernels/, recursively, minus the other
-    kernels' own sources (which are not copied into the compile).
-  * Every call is checked. The job file and environment hold no seed, count or plan: the host sends each
-    request (a trial or a timed call, with its one seed) only after the previous one is answered (after a
-    timed call, together with that call's sketch keys; after a trial, before that trial is compared). Every
-    timed call, warm-ups included, runs on fresh inputs under the dispatch guard, and its output is checked
-    against the reference by random projections whose keys are sent only after the call returned
-    (`sketch_close`): computing only on some calls, recognising inputs or caching by pointer or content
-    gains nothing. Trials are compared in full: allclose AND relative L2 <= rtol, exact type, shape,
-    dtype and device, finite where the reference is, inputs unmodified.
+Threat model. The candidate's process is the attacker's: Python or native code in it can rewrite any function,
+message, clock or object of that process. So nothing it measures or reports enters a verdict's correctness or
+time; it only computes, and the driver judges each call from outside:
+  1. the driver draws the call's inputs from a seed the child never sees, computes the reference on them, and,
+     while the child is stopped (SIGSTOP of its whole process tree, confirmed in /proc), copies them into the
+     shared input region, poisons the output region (NaN) and, on a GPU, resets persisting L2 lines and the
+     persisting set-aside and flushes the L2;
+  2. the clock is the driver's: cpu, wall clock from "go" (the child continued) until the reply, read after
+     every thread of the child is stopped again (no thread can finish the work afterwards); GPU, the driver's
+     own events around a flag its stream writes ("go") and a flag the child's stream writes behind its output
+     copy ("done"), the end event after a read of 4096 random output bytes;
+  3. the driver compares the output region in full with the reference (a stopped child, a settled GPU), checks
+     the sampled bytes did not change since the clock stopped (work still running after "done"), and that
+     the inputs are unmodified.
+What the trusted side relies on: SIGSTOP (a stopped process runs no code on the CPU); separate processes and
+CUDA contexts (the child maps only the two regions and the two flag words; the driver's memory, seeds and
+reference are in another address space); the GPU's ordering of one stream's work, and of stream memory
+operations across contexts; a GPU shared by two contexts running one at a time, so GPU work a stopped child
+left queued lengthens the driver's preparation, and what exceeds its calibrated time is charged to the call.
+COVERED:
+  * Forged times, outputs and messages: the verdict reads only the driver's reports; what the child says of
+    itself adds only its own errors and violations (it cannot claim success). Tested from Python (patched
+    `json.dumps`, clocks, `torch.cuda.Event`, the harness's own objects) and from C++ (a kernel library running
+    Python through the C API at load): tests/test_sandbox_attacks.py, tests/test_sandbox_gpu.py.
+  * Work hidden in the harness: the child builds no input (a TorchFunctionMode sees nothing to answer), and a
+    thread that watches the input region is stopped until the clock runs.
+  * Every call is checked, warm-ups and timed calls included, on fresh inputs: caching by pointer or content,
+    computing only on some calls, stale or uninitialised outputs (the output is poisoned) all fail.
+  * Inputs beyond one distribution: trials and timed calls draw "plain" (get_inputs), "affine" (x * 2^U(-1,1)
+    + U(-1,1) per float tensor) or "heavy" (one element in a thousand x 8) inputs; a variant on which the
+    reference turns non-finite is drawn plain. Constants, identities and moment shortcuts that hold for randn
+    only are wrong. Comparison: allclose AND relative L2 <= rtol, finite where the reference is, for float
+    outputs; complex outputs as (real, imag) pairs; integer and bool outputs exactly; exact type, shape, dtype.
+  * L2 persistence (an access-policy window with hitProp persisting keeps weights in L2 across a flush): reset
+    before every timed call, baselines and candidates alike.
   * No torch compute: (1) the dispatch guard (sandbox_guard.cpp: a C++ dispatcher fallback that sees every
-    dispatched op, from Python or C++) on every forward, and on import and `__init__` with an init
-    allow-list (creation, init, scaling: nothing computed before the first input can be an answer);
-    (2) the profiler's aten list, re-checked on the host; (3) a static scan (sandbox_rules.py) that also
-    refuses frame, traceback and gc introspection, raw-memory ctypes, and patches of torch, numpy, clocks
-    or the harness.
-  * Host memory: messages are JSON with tensors as raw frames (nothing is unpickled), or, for a trial's
-    outputs, at offsets in a memfd the host created and sealed against shrinking (so the child cannot make
-    the host's reads fault) and bounds-checks every offset in; the host compares each reply as it arrives,
-    a chunk at a time (on the check's GPU when it can: `compare_on`), and keeps none of its tensors; a
-    message over 2 x the reference output (+16 MB) is refused from its header.
-    Reference children send one seed's outputs per message, so a child holds about one output on the host.
-  * Timing: clocks and the torch functions of the checks bound before candidate import; a device-wide
-    sync around every timed call; NaN-filled free memory and an L2 flush before each; the child's clock
-    must agree with the host's over the same spans. Baselines: eager and compiled in interleaved rounds,
-    the minimum round median kept (the candidate's timed calls likewise, in as many rounds), re-timed in a
-    new child before a speedup tier is awarded on a baseline from a single run (`Verdict.timings["baseline"]`,
-    `["baseline_retimed"]`). Eager is timed again in each candidate's child before any candidate code is
-    imported, and the candidate compared with that (`eager_beside`): the host's speed drifts over seconds.
-  * No state survives a check: one candidate per process (a warm spare is killed once its result is in,
-    and nothing is timed on its GPU until it has exited: `settle`), job dirs are deleted, the cache is
-    hidden, and a load_inline source is built once by a child that sees no input; checked runs get a
-    private copy of that build dir.
+    dispatched op, from Python or C++) on every forward, and on import and `__init__` with an init allow-list;
+    (2) the profiler's aten list, re-checked on the host; (3) a static scan of the code reachable from ModelNew
+    (sandbox_rules.py; `rules` names the profile). The dynamic layers run in the candidate's process, so native
+    code can switch them off; they are a rule of the task, not the integrity of the verdict.
+  * Isolation per job: bwrap (`--unshare-all`: no network, own pid/ipc/uts namespaces; `/` read-only, private
+    /tmp and /dev/shm, only the job's own dir writable). Compile and candidate children do not see the cache
+    dir, the repository or the workspace's parent (other episodes). Fallbacks: `unshare --net`, then rlimits
+    only; the level used is in `Verdict.timings["isolation"]`.
+  * Limits: wall clock (process tree SIGKILLed), memory (RSS of the tree plus what its size-capped private /tmp
+    and /dev/shm hold, polled; cpu children also get RLIMIT_AS; cuda children an allocator fraction), disk
+    (what a compile, build or candidate child writes, polled and once more at its end), RLIMIT_CORE/FSIZE/
+    NPROC; per workspace at most `max_kernels` kernels and `compile_budget_s` of compiling.
+  * Workspace files: the host lstat()s before it reads, hashes or copies (workspace.py); symlinks, FIFOs,
+    devices and sockets are refused with a verdict error; reads are capped; nothing is followed.
+  * No state survives a check: one candidate per process (killed once its session ends; nothing is timed on
+    its GPU until it has exited: `settle`); the driver's flags are zeroed at each session; job dirs are
+    deleted; a load_inline source is built once by a child that sees no input, and runs from a private copy.
 NOT COVERED (known gaps):
-  * Native code in the candidate's process can do anything that process can: read its memory (the current
-    request's seed and inputs), unregister the guard, disable the profiler, forge result messages or
-    report made-up times (bounded by the host's wall clock of the same spans). The Python-level versions
-    of these are refused statically or undone (module patches reverted after import and every call).
-  * No seccomp, no cgroup (a fast allocation burst can overshoot the RSS poll), no disk quota beyond
-    RLIMIT_FSIZE, GPU memory capped only by the allocator fraction (cudaMalloc from C++ bypasses it), no
-    per-job GPU isolation besides CUDA_VISIBLE_DEVICES.
+  * The child sees the inputs of the call it is asked for (it must compute on them), and the task's source and
+    weights; a shortcut right on every variant above (integer inputs are drawn from get_inputs alone) passes.
+  * A per-call fixed cost (flag waits, a context switch on the GPU, a signal round trip on cpu) is in every
+    time, the baselines' included; a kernel far below it cannot show its speed.
+  * GPU work a child queues can run while the driver compares (it changes nothing the driver has not sampled
+    or compared yet without being caught, but it slows the driver) or after its session until it exits.
+  * No seccomp, no cgroup (a fast allocation burst can overshoot the RSS poll), GPU memory capped only by the
+    allocator fraction (cudaMalloc from C++ bypasses it), no per-job GPU isolation besides CUDA_VISIBLE_DEVICES.
   * Reads: `/` is read-only but visible; anything this user can read outside the hidden dirs, a candidate
-    can read. The child's environment is a whitelist (PASS_ENV). Fallback levels hide nothing.
-  * The static scan cannot see arithmetic operators on tensors (x * 2); the dynamic layers do.
-  * A timed call whose output is wrong by less than about 16 x rtol of its norm in a random direction
-    can pass one projection; three keys make a wholly wrong output pass with probability ~2e-4.
+    can read. The child's environment is a whitelist (PASS_ENV). Fallback levels hide nothing, and at them the
+    driver shares the host's process and mount namespaces.
 
 Departures from the paper:
   1. The paper's sandbox is not public; this follows KernelBench's and other public harnesses' known hacks.
   2. Kernels (form b) compile per file to plain shared objects via ctypes (no torch headers), so an edit
      rebuilds one kernel in ~1 s instead of `load_inline`'s ~47 s. Form (a) `load_inline` sources build
-     against a slim stand-in for <torch/extension.h> first (sandbox_inline.SLIM_TORCH_H; ~17 s on an H200
-     host), against torch's own headers when that fails; the verdict is the same either way.
+     against a slim stand-in for <torch/extension.h> first (sandbox_inline.SLIM_TORCH_H), against torch's
+     own headers when that fails; the verdict is the same either way.
   3. Reference outputs are always strict fp32; `precision` only affects the timed baselines/candidate.
-  4. One reference child serves up to REF_POOL_MAX_USES checks of a task: it computes outputs (trials) and
-     sketches (timed calls) for a pool of host-random seeds, and each check draws its own subset. Safe
-     because a candidate never sees reference outputs and keeps no state between checks; it halves the
-     processes per check. Set REF_POOL_MAX_USES = 0 for a fresh reference every check.
+  4. Every call is compared in full (the paper: 5 trials), and times are the driver's clock around one call
+     (the released profiler script: the sum of kernel times over 10 iterations in the same process).
 
 Smoke: python -m pytest tests/test_sandbox.py -q -x
 Full (H200): python -m pytest tests/test_sandbox.py tests/test_sandbox_gpu.py -q
@@ -94,9 +102,7 @@ import concurrent.futures as cf
 import contextlib
 import dataclasses
 import hashlib
-import json
 import os
-import secrets
 import shutil
 import threading
 import time
@@ -109,9 +115,10 @@ from sandbox_build import (build_inline, bytecode_cache, compile_workspace, copy
 from sandbox_child import (HARNESS_DIR, Child, ChildResult, SandboxError, bwrap_argv, hidden,  # noqa: F401
                            hidden_candidate, interruptible, isolation, last_line, new_jobdir, require_device,
                            run_child, settle)
-from sandbox_reference import (BASELINE_TIMING, REF_SPARES, ref_spare, baseline_cache, baseline_entry,  # noqa: F401
-                               baselines, device_name, precision_of, prewarm, reference_pool, retime, run_reference)
-from sandbox_rules import compare, sketch_close, static_scan, timing
+from sandbox_reference import (BASELINE_TIMING, DRIVER_SPARES, REF_SPARES, baseline_cache, baseline_entry,  # noqa: F401
+                               baselines, device_name, driver, driver_spare, precision_of, prewarm, ref_spare,
+                               retime, run_reference, run_session, time_baselines, _request)
+from sandbox_rules import RULES, compare, static_scan, timing  # noqa: F401
 from sandbox_spares import Spares, warm_spares  # noqa: F401
 from workspace import TaskError, WorkspaceError, looks_like_path, python_error, read_file, read_task  # noqa: F401
 
@@ -129,7 +136,7 @@ class SandboxConfig:
     rtol: float = 1e-2
     """relative tolerance of allclose, and bound on the relative L2 error ||y - y_ref|| / ||y_ref||"""
     n_trials: int = 5
-    """correctness trials, fresh seeded inputs each"""
+    """correctness trials, fresh seeded inputs each (plain, scaled and shifted, and with outliers, in turn)"""
     precision: str = "auto"
     """"fp32" | "tf32" | "auto" (tf32 for baselines AND candidate iff rtol >= 1e-3; cpu: always fp32)"""
     warmup: int = 5
@@ -139,34 +146,37 @@ class SandboxConfig:
     compile_timeout_s: float = 120
     """wall-clock limit per kernel compile (and for load_inline builds in form (a))"""
     run_timeout_s: float = 300
-    """wall-clock limit per reference/candidate child"""
+    """wall-clock limit per child (and per call of a computing child)"""
     mem_limit_mb: int = 8192
-    """host-memory limit per child: RSS of its process tree, polled (cpu children also get RLIMIT_AS of this
-    + 4 GB). It does not cover GPU memory: a cuda child may use 90% of its GPU (allocator fraction). Reference
-    outputs stream to the host one seed at a time, so a child holds about one output on the host"""
+    """host-memory limit per child: RSS of its process tree plus what its private /tmp and /dev/shm hold,
+    polled (cpu children also get RLIMIT_AS of this + 4 GB). It does not cover GPU memory: a candidate's child
+    may use 80% of its GPU (allocator fraction)"""
+    disk_limit_mb: int = 4096
+    """what a compile, build or candidate child may write into its job dir (polled; the child is stopped)"""
     cache_dir: str = field(default_factory=lambda: os.environ.get("CUDA_AGENT_CACHE", "~/.cache/cuda_agent"))
     """compile cache + baseline cache (default: $CUDA_AGENT_CACHE, else ~/.cache/cuda_agent)"""
     profile: bool = True
     """False -> stop after verify (no timing; reward uses correctness only)"""
     seed: int = 0
-    """base seed (trial seeds are salted per job so a candidate cannot precompute)"""
+    """seed of the models' weights (the task's and the candidate's init); every call's input seed is drawn
+    by the driver from the OS's randomness, so no candidate can precompute"""
     static_scan: bool = True
     """the static layer of the no-torch rule (imports, calls, harness introspection); the tests switch it
     off to prove that each dynamic layer catches its hack on its own"""
     allow_imports: str = ""
     """extra modules a candidate may import, comma-separated (default none: kernels must be its own; the
     adversarial tests widen it to use numpy as a stand-in kernel and reach the dynamic layers)"""
+    rules: str = "cuda-agent"
+    """the static scan's rule profile: "cuda-agent" (the paper's: torch only allocates in forward) | "kernelbench"
+    (KernelBench's: no torch compute, unknown torch names left to the dynamic layers); sandbox_rules.py"""
     max_kernels: int = 16
     """kernel sources one workspace may hold (more is an error verdict, not a queue of compiles)"""
     compile_budget_s: float = 300
     """wall-clock budget shared by all compiles of one workspace (each is also capped by compile_timeout_s)"""
-    compare_on: str = "auto"
-    """where the host compares trial outputs with the reference: "auto" (the check's GPU when this process
-    can use CUDA: a CUDA context there, ~0.5 GB; a 64 MB output compares in ms, not ~0.1-0.5 s) | "cpu" """
     eager_beside: bool = True
-    """time eager in each candidate's own child, just before the candidate is imported, and compare the
-    candidate with that (same process, same minute); False: with the eager baseline cached per task. The
-    compile baseline is always the cached one (compiling in every child would cost its compile)"""
+    """time eager in each candidate's own child, under the same driver, just before the candidate is imported,
+    and compare the candidate with that (same process, same minute); False: with the eager baseline cached per
+    task. The compile baseline is always the cached one (compiling in every child would cost its compile)"""
     warm_spares: int = -1
     """pre-started candidate children kept per device (torch imported, CUDA up, checks warmed); each serves
     one candidate and is replaced in the background. 0 = start a child per check; -1 = 12 on cuda, 0 on cpu
@@ -205,7 +215,7 @@ def load_task(src_or_path: str, device: str = "cpu", timeout_s: float = 300) -> 
     src = read_task(src_or_path)
     h = hashlib.sha256(f"{device}|{src}".encode()).hexdigest()
     if h not in _TASK_OK:
-        run_reference(src, SandboxConfig(device=device, run_timeout_s=timeout_s), [0], False)
+        run_reference(src, SandboxConfig(device=device, run_timeout_s=timeout_s))
         _TASK_OK.add(h)
     return src
 
@@ -234,8 +244,6 @@ def _solution(solution: str) -> tuple[str, str]:
 
 def _check(task, solution, cfg, compile_gate, device_gate) -> Verdict:
     require_device(cfg.device)
-    guard_library(cfg)  # built once per torch; every candidate child loads it
-    bytecode_cache(cfg)  # filled once per Python and torch; every child imports from it
     src = read_task(task)
     v = Verdict(precision=precision_of(cfg), device=cfg.device, timings={"isolation": isolation()})
     try:
@@ -250,61 +258,64 @@ def _check(task, solution, cfg, compile_gate, device_gate) -> Verdict:
     return v
 
 
+def _refused(sources: list[str], cfg: SandboxConfig, v: Verdict) -> bool:
+    """The host's own checks of the candidate's Python files (paths of the host's copies): syntax, `ModelNew`
+    in the entry file, the static scan. Milliseconds, before any child starts; True if one refused it."""
+    if cfg.rules not in RULES:  # the caller's configuration, not the candidate's doing: stop, one line
+        raise SandboxError(f"--sandbox.rules {cfg.rules!r}: use one of {', '.join(RULES)}")
+    v.timings["rules"] = cfg.rules
+    texts = [workspace.read_text(p) for p in sources]  # the host's own copies, still read capped
+    names = [os.path.basename(p) for p in sources]
+    v.error = next(filter(None, (python_error(t, "solution" if n == "solution.py" else n,
+                                              ("ModelNew",) if n in ("model_new.py", "solution.py") else ())
+                                 for t, n in zip(texts, names))), None)
+    if v.error or not cfg.static_scan:
+        return v.error is not None
+    extra = tuple(m.strip() for m in cfg.allow_imports.split(",") if m.strip())
+    v.violation = next(filter(None, (static_scan(t, extra, cfg.rules) for t in texts)), None)
+    v.stage = "verify" if v.violation else v.stage
+    return v.violation is not None
+
+
 def _prepare(form: str, sol, cfg: SandboxConfig, v: Verdict, compile_gate, wdir: str) -> str | None:
-    """Compile (form b) and copy the candidate into wdir; returns the candidate path, or None on failure.
-    The workspace is read only through `workspace` (no link followed, no special file opened, capped)."""
+    """Copy the candidate into wdir, check it on the host, then compile (form b) or build (form a); returns the
+    candidate path, or None on failure. The workspace is read only through `workspace` (no link followed, no
+    special file opened, capped), and what is checked is the copy that runs."""
     if form == "refused":
         v.error = sol
         return None
     if form == "b":
         try:
-            files = workspace.walk(sol)
-            bad = next(filter(None, (python_error(workspace.read_text(os.path.join(sol, f)), f,
-                                                  ("ModelNew",) if f == "model_new.py" else ())
-                                     for f in files if f.endswith(".py") and "/" not in f and f != "model.py")), None)
+            copied = workspace.copy_tree(sol, wdir, ignore_suffixes=(".so",))
         except WorkspaceError as e:  # a link, FIFO, device or socket: the candidate's doing, one line
             v.error = str(e)
             return None
-        if "model_new.py" not in files:
+        if "model_new.py" not in copied:
             v.error = "workspace has no model_new.py"
             return None
-        if bad:  # a syntax error answers in milliseconds, before any compile or child
-            v.error = bad
-            return None
-        v.stage = "compile"
+        path = os.path.join(wdir, "model_new.py")
+        sources = [os.path.join(wdir, f) for f in copied if f.endswith(".py") and "/" not in f and f != "model.py"]
+    else:
+        path = os.path.join(wdir, "solution.py")
+        with open(path, "w") as f:
+            f.write(sol)
+        sources = [path]
+    if _refused(sources, cfg, v):
+        return None
+    guard_library(cfg)  # built once per torch; every candidate child loads it
+    bytecode_cache(cfg)  # filled once per Python and torch; every child imports from it
+    v.stage = "compile"
+    if form == "b":
         with compile_gate():
             ok, v.compile_log, sos = compile_workspace(sol, cfg)
         if not ok:
             v.error = "compile failed: " + (last_line(v.compile_log.split("\n")[0]) or "see compile_log")
             return None
-        try:
-            copied = workspace.copy_tree(sol, wdir, ignore_suffixes=(".so",))
-        except WorkspaceError as e:
-            v.error = str(e)
-            return None
         os.makedirs(os.path.join(wdir, "kernels"), exist_ok=True)
         for name, so in sos.items():
             shutil.copy(so, os.path.join(wdir, "kernels", f"{name}.so"))
-        sources = [os.path.join(wdir, f) for f in copied if f.endswith(".py") and "/" not in f and f != "model.py"]
-        path = os.path.join(wdir, "model_new.py")
-    else:
-        v.error = python_error(sol, "solution", ("ModelNew",))
-        if v.error:
-            return None
-        path = os.path.join(wdir, "solution.py")
-        with open(path, "w") as f:
-            f.write(sol)
-        sources = [path]
     v.compiled = True
-    extra = tuple(m.strip() for m in cfg.allow_imports.split(",") if m.strip())
-    for p in sources:
-        text = workspace.read_text(p)  # the host's own copy, still read capped
-        v.violation = v.violation or (static_scan(text, extra) if cfg.static_scan else None)
-    if v.violation:
-        v.stage = "verify"
-        return None
     if form == "a":  # load_inline: built once per source by a child that sees no input; a private copy runs
-        v.stage = "compile"
         t_build = time.perf_counter()
         with compile_gate():
             ext, err = build_inline(path, wdir, cfg)
@@ -339,60 +350,58 @@ def _run_check(src: str, solution: str, cfg: SandboxConfig, v: Verdict, compile_
             key = f"{hashlib.sha256(src.encode()).hexdigest()}|{dev}|{v.precision}"
             base = baseline_cache(cfg, key) if cfg.profile else None
             base = base if base and base.get("timing") == BASELINE_TIMING else None  # older entries: re-timed
-            if warm_spares(cfg) > 0:  # spares start while the reference runs (first check)
+            if warm_spares(cfg) > 0:  # spares start while the driver loads (first check)
                 _SPARES.fill(*_spare_kind(cfg, gpu, hidden_candidate(cfg, sol if form == "b" else None)))
-            t_ref = time.perf_counter()
-            ref, plan = reference_pool(src, cfg, cfg.profile and base is None, gpu, dev)
-            t_cand = time.perf_counter()
-            v.device = ref["device_name"]
-            if "phase_s" in ref:  # this check ran the reference child (not a pooled one)
-                v.timings["reference_phases"] = ref["phase_s"]
-                v.timings["reference_startup"] = ref.get("startup")  # a spare's start-up, when it was one
-            if cfg.profile and base is None:
-                base = baseline_cache(cfg, key, baseline_entry(ref, v.precision, v.device))
-            import torch
-            torch.save(ref["state_dict"], os.path.join(wdir, "state_dict.pt"))
-            r, seen = _run_candidate(form, cand, wdir, jobdir, ref, plan, cfg, gpu, sol if form == "b" else None)
-            v.timings.update({"reference_s": round(t_cand - t_ref, 3),  # where a check's time goes
-                              "candidate_s": round(time.perf_counter() - t_cand, 3)})
-            _judge(r, seen, ref, cfg, v, form)
-            if v.correct and cfg.profile:
-                timing(seen, base, v, cfg, lambda: retime(src, cfg, gpu, key, base))
+            t_drv = time.perf_counter()
+            with driver(src, cfg, gpu) as drv:
+                v.device = drv.device_name
+                v.timings["driver_uses"] = drv.uses  # checks this driver served before this one
+                if cfg.profile and base is None:
+                    base = baseline_cache(cfg, key, baseline_entry(time_baselines(drv, src, cfg, gpu), v.precision,
+                                                                   v.device))
+                t_cand = time.perf_counter()
+                import torch
+                torch.save(drv.state_dict, os.path.join(wdir, "state_dict.pt"))
+                r, calls, end = _run_candidate(form, cand, wdir, jobdir, drv, cfg, gpu, sol if form == "b" else None)
+                v.timings.update({"driver_s": round(t_cand - t_drv, 3),  # where a check's time goes
+                                  "candidate_s": round(time.perf_counter() - t_cand, 3)})
+                _judge(r, calls, end, cfg, v, form)
+                if v.correct and cfg.profile:
+                    timing(calls, end, base, v, cfg, lambda: retime(drv, src, cfg, gpu, key, base))
     finally:
         shutil.rmtree(jobdir, ignore_errors=True)
-
-
 
 
 _SPARES = Spares()  # candidate children
 
 
 def start_spares(cfg: SandboxConfig, gpus: list) -> None:
-    """Start every device slot's warm children now, in the background (candidate spares and a reference
-    child), so that even the first check of a trainer or an evaluation finds them ready."""
+    """Start every device slot's warm children now, in the background (candidate spares, drivers and
+    baseline children), so that even the first check of a trainer or an evaluation finds them ready."""
     if warm_spares(cfg) > 0:
         guard_library(cfg)  # what a spare binds at its start
         bytecode_cache(cfg)
         for gpu in gpus:
             _SPARES.fill(*_spare_kind(cfg, gpu, hidden_candidate(cfg)))
             REF_SPARES.fill(*ref_spare(cfg, gpu))
+            DRIVER_SPARES.fill(*driver_spare(cfg, gpu))
 
 
 def _spare_kind(cfg, gpu, hide) -> tuple:
     """(key, count, spawn) of the warm spares a candidate of this check can use."""
     return ((cfg.device, gpu, cfg.mem_limit_mb, hide, isolation()), warm_spares(cfg),
-            lambda: Child(new_jobdir(), device=cfg.device, mem_limit_mb=cfg.mem_limit_mb, gpu=gpu, hide=hide))
+            lambda: Child(new_jobdir(), device=cfg.device, mem_limit_mb=cfg.mem_limit_mb, gpu=gpu, hide=hide,
+                          disk_limit_mb=cfg.disk_limit_mb))
 
 
-def _run_candidate(form, cand, wdir, jobdir, ref, plan, cfg, gpu, ws) -> tuple[ChildResult, dict]:
-    """Run the candidate child and drive it through `plan`, comparing each reply as it arrives.
-
-    Returns the child's result and what the host saw: per-trial comparisons, the profiler's op list, and
-    per timed call the child's time, the host's wall time of the same span and the sketch comparison."""
+def _run_candidate(form, cand, wdir, jobdir, drv, cfg, gpu, ws) -> tuple[ChildResult, list, dict]:
+    """The candidate's child, computing for one session of `drv`: eager's rounds (before any candidate code
+    exists in it), then the candidate's load, trials, profiler call and timed calls. Returns the child's
+    result (what it says of itself: only errors and violations are read from it) and the driver's reports."""
     timeout = cfg.run_timeout_s + (cfg.compile_timeout_s if form == "a" else 0)  # load_inline args that differ
     # from the build's build again in the candidate child
-    child, warm, hide, spares = None, False, hidden_candidate(cfg, ws), warm_spares(cfg)
-    if spares > 0:  # a warm child: move the prepared files into its own job dir
+    child, warm, hide = None, False, hidden_candidate(cfg, ws)
+    if warm_spares(cfg) > 0:  # a warm child: move the prepared files into its own job dir
         child, warm = _SPARES.take(*_spare_kind(cfg, gpu, hide))
         for name in os.listdir(wdir):
             if name != "job.json":
@@ -402,151 +411,72 @@ def _run_candidate(form, cand, wdir, jobdir, ref, plan, cfg, gpu, ws) -> tuple[C
     if os.path.isdir(os.path.join(wdir, "kernels")):
         kernels = {f[:-3]: os.path.join(wdir, "kernels", f) for f in os.listdir(os.path.join(wdir, "kernels"))
                    if f.endswith(".so")}
-    # No seed, count or plan in the job: the host sends each request when the previous one is answered.
+    # No seed, input, reference or plan in the job: it only ever computes what the driver asks for.
     job = {"kind": "candidate", "task_path": os.path.join(wdir, "task.py"), "cand_path": cand, "cand_dir": wdir,
            "device": cfg.device, "init_seed": cfg.seed, "kernels": kernels,
            "state_dict_path": os.path.join(wdir, "state_dict.pt"), "precision": precision_of(cfg),
-           "ext_dir": os.path.join(wdir, "ext") if form == "a" else None,
-           "eager_beside": cfg.profile and cfg.eager_beside}
-    seen = {"trials": [], "ops": None, "calls": [], "bad": None, "i": 0, "sent_at": 0.0, "warm_child": warm}
-    out_bytes = sum(t.numel() * t.element_size() for t in next(iter(ref["outputs"].values())))
-
-    def send(control, obj):
-        with contextlib.suppress(OSError, ValueError):
-            seen["sent_at"] = time.monotonic()
-            control.write(json.dumps(obj) + "\n")
-            control.flush()
-
-    def advance(control, **extra):  # the next request; "done" at once after the first failure
-        req = plan[seen["i"]] if seen["bad"] is None and seen["i"] < len(plan) else {"op": "done"}
-        if req["op"] == "time" and not seen.get("settled"):  # the previous job's child has left the device
-            settle(gpu)
-            seen["settled"] = True
-            seen["spares_starting"] = _SPARES.starting() + REF_SPARES.starting()  # start-ups beside the timing
-        seen["i"] += 1
-        seen["req"] = req
-        send(control, {**extra, "next": req} if extra else req)
-
-    on_gpu = compare_device(cfg, gpu)
-
-    def on_msg(msg, control):
-        t, req = msg.get("type"), seen.get("req") or {}
-        try:
-            if t == "stage" and msg.get("stage") == "load" and job["eager_beside"] and "eager_sent" not in seen:
-                settle(gpu)  # the previous job's child has left the device before eager is timed here
-                seen["eager_sent"] = True
-                # a timing seed unrelated to the checked ones; eager's rounds as the baselines' (time_baselines)
-                send(control, {"op": "eager", "timing_seed": secrets.randbelow(2**31), "warmup": cfg.warmup,
-                               "iters": cfg.iters})
-            elif t == "eager" and seen.get("eager_sent") and "eager" not in seen and "req" not in seen:
-                seen["eager"] = {k: msg.get(k) for k in ("eager", "eager_launch", "eager_cv", "error")}
-            elif t == "stage" and msg.get("stage") == "verify":
-                advance(control)
-            elif t == "trial" and req.get("op") == "trial":
-                waited = time.monotonic() - seen["sent_at"]  # the child's trial: inputs, forward, copy, pipe
-                advance(control)  # the child runs the next trial while this one is compared
-                t0 = time.monotonic()
-                res = _compare_kind(ref, req["seed"], msg, cfg, on_gpu)
-                seen["trials"].append({"trial": len(seen["trials"]), **res, "child_s": round(waited, 4),
-                                       "compare_s": round(time.monotonic() - t0, 4)})
-                seen["bad"] = seen["bad"] or (None if res["ok"] else f"trial {len(seen['trials']) - 1}")
-            elif t == "ops" and req.get("op") == "ops":
-                seen["ops"] = list(msg.get("ops", []))
-                advance(control)
-            elif t == "iter" and req.get("op") == "time":
-                seen["calls"].append({"ms": float(msg["ms"]), "launch_ms": float(msg.get("launch_ms", 0.0)),
-                                      "cpu": int(msg.get("cpu", -1)),
-                                      "span_ms": float(msg["span_ms"]),
-                                      "host_ms": (time.monotonic() - seen["sent_at"]) * 1e3, "kind": msg.get("kind")})
-                seen["sketch_seed"] = req["seed"]
-                advance(control, keys=ref["keys"][req["seed"]])  # the keys only now, after the call returned
-            elif t == "sketch" and "sketch_seed" in seen:
-                seen["sent_at"] = time.monotonic()  # the next call's span starts once the child has sketched
-                call = seen["calls"][-1]
-                call["ok"], call["reason"] = sketch_close(msg["sketch"], ref["sketches"][seen.pop("sketch_seed")], cfg)
-                if call["kind"] != ref["out_kind"]:
-                    call["ok"], call["reason"] = False, f"returned a {call['kind']}, expected a {ref['out_kind']}"
-                seen["bad"] = seen["bad"] or (None if call["ok"] else f"timed call {len(seen['calls']) - 1}")
-            elif t != "stage" and t != "result":
-                seen["bad"] = seen["bad"] or f"unexpected message {t!r} for request {req.get('op')!r}"
-                send(control, {"op": "done"})
-        except Exception as e:  # noqa: BLE001 - a malformed reply fails the candidate, never the host
-            seen["bad"] = seen["bad"] or f"malformed {t!r} message ({type(e).__name__}: {e})"[:300]
-            send(control, {"op": "done"})
+           "ext_dir": os.path.join(wdir, "ext") if form == "a" else None}
     if child is None:
-        r = run_child(job, jobdir, device=cfg.device, timeout_s=timeout, mem_limit_mb=cfg.mem_limit_mb, gpu=gpu,
-                      hide=hide, on_msg=on_msg,
-                      max_msg_mb=(2 * out_bytes >> 20) + 16, shm_bytes=_shm_bytes(out_bytes, cfg))
-        return r, seen
+        child = Child(jobdir, device=cfg.device, mem_limit_mb=cfg.mem_limit_mb, gpu=gpu, hide=hide, job=job,
+                      disk_limit_mb=cfg.disk_limit_mb)
+        job = None
+    settle(gpu)  # the previous job's child has left the device before anything is timed here
     try:
-        return child.run(job, timeout, on_msg, max_msg_mb=(2 * out_bytes >> 20) + 16,
-                         shm_bytes=_shm_bytes(out_bytes, cfg)), seen
+        r, calls, end = run_session(drv, child, job, _request(cfg, "candidate", cfg.profile and cfg.eager_beside),
+                                    timeout)
     finally:
         shutil.rmtree(child.jobdir, ignore_errors=True)
+    r.warm = warm
+    return r, calls, end
 
 
-def _shm_bytes(out_bytes: int, cfg: SandboxConfig) -> int:
-    """The shared output buffer of a candidate child: two halves, each one trial's outputs (+ alignment), used
-    in turn, so the child writes trial k+1 while the host still compares trial k. A trial's outputs travel
-    through it instead of the pipe (a 64 MB output: ~1 ms device-to-host into the registered buffer, against
-    ~60 ms to pageable memory and ~40 ms through the pipe on an H200 host; docs/RESULTS.md). Its pages count
-    in the child's RSS, so outputs over 1/8 of the memory limit take the pipe, one trial at a time."""
-    return 2 * (out_bytes + 64 * 64 + (1 << 20)) if out_bytes <= (cfg.mem_limit_mb << 20) // 8 else 0
-
-
-def _compare_kind(ref: dict, seed: int, msg: dict, cfg: SandboxConfig, work_device: str = "cpu") -> dict:
-    if msg.get("kind") != ref["out_kind"]:
-        return {"ok": False, "reason": f"returned a {msg.get('kind')}, the reference returns a {ref['out_kind']}"}
-    return compare(ref["outputs"][seed], msg["outs"], msg.get("devices"), cfg.device, cfg.atol, cfg.rtol,
-                   work_device)
-
-
-def compare_device(cfg: SandboxConfig, gpu: int | None) -> str:
-    """Where the host compares a trial's outputs: the check's GPU when this process can use CUDA (both
-    outputs are copied there a chunk at a time), else host memory. The comparison's arithmetic is the same."""
-    if cfg.device != "cuda" or cfg.compare_on == "cpu":
-        return "cpu"
-    import torch
-    return f"cuda:{gpu or 0}" if torch.cuda.is_available() else "cpu"
-
-
-def _judge(r: ChildResult, seen: dict, ref: dict, cfg, v: Verdict, form: str):
-    """Turn what the host saw into the verdict: errors, violations, trials, every timed call's check."""
+def _judge(r: ChildResult, calls: list, end: dict, cfg, v: Verdict, form: str):
+    """The verdict from the driver's reports; the child's own result adds only its errors and violations
+    (a forged one can hide nothing the driver saw, and claims no success)."""
     err = "\n".join(ln for ln in r.stderr.splitlines() if not ln.startswith("USDT:"))  # profiler noise
-    v.timings["candidate_phases"] = r.phases()  # e.g. verify_at_s: torch import + CUDA init + candidate load
-    v.timings["warm_child"] = seen.get("warm_child", False)  # a spare started before this check
-    v.timings["spares_starting"] = seen.get("spares_starting")  # children starting when the timed calls began
+    v.timings["candidate_phases"] = r.phases()  # e.g. load_at_s: torch import + CUDA init
+    v.timings["warm_child"] = getattr(r, "warm", False)  # a spare started before this check
     v.timings["log"] = (err[-1500:] + ("\n[stdout]\n" + r.stdout[-500:] if r.stdout.strip() else "")).strip()
-    v.trials = seen["trials"]
-    if r.result is None:
-        v.stage, v.error = r.stage or "load", f"candidate {r.error}"
-        return
-    res = r.result
-    stage = res.get("stage", "load")
-    v.stage = "profile" if seen["calls"] else ("verify" if stage == "done" else stage)
-    if form == "a" and "Error building extension" in (res.get("error") or "") + r.stderr:
+    trials = [c for c in calls if c.get("phase") == "trial"]
+    v.trials = [{"trial": c["i"], **{k: c.get(k) for k in ("ok", "reason", "variant", "max_abs_err", "max_rel_err",
+                                                             "rel_l2", "first_bad_index")}} for c in trials]
+    res = r.result or {}
+    load = next((c for c in calls if c.get("type") == "load"), None)
+    stage = "verify" if trials else "load"
+    if form == "a" and "Error building extension" in (res.get("error") or "") + ((load or {}).get("error") or "") + r.stderr:
         v.compiled, v.compile_log = False, trim_log(r.stderr, False)
-    if res.get("error") or res.get("violation"):
-        v.error, v.violation = res.get("error"), res.get("violation")
+    bad = next((c for c in calls if c.get("violation")), None)
+    v.violation = res.get("violation") or (load or {}).get("violation") or (bad or {}).get("violation")
+    ops = next((c.get("ops") for c in calls if c.get("phase") == "ops"), None) or []
+    host_bad = [n for n in ops if n[6:] not in _ALLOWED_OPS]  # the host's own allow-list
+    if not v.violation and host_bad:
+        v.violation = f"aten op {host_bad[0]} seen by the profiler inside forward"
+    timed = [c for c in calls if c.get("phase") == "time"]
+    v.stage = "profile" if timed else stage
+    if v.violation:
         return
-    ops = res.get("profiler_ops") or seen["ops"] or []
-    bad = [n for n in ops if n[6:] not in _ALLOWED_OPS]  # the host's own allow-list
-    if bad:
-        v.violation = f"aten op {bad[0]} seen by the profiler inside forward"
+    if load is not None:
+        v.error = load.get("error") or "the candidate did not load"
         return
-    failed = next((t for t in v.trials if not t["ok"]), None)
-    if failed or len(v.trials) < cfg.n_trials:
-        v.error = f"incorrect on trial {failed['trial']}: {failed['reason']}" if failed else \
-            f"the protocol ended after {len(v.trials)} of {cfg.n_trials} trials ({seen['bad']})"
+    failed = next((c for c in calls if not c.get("ok")), None)
+    if failed is not None:
+        where = f"trial {failed['i']}" if failed["phase"] == "trial" else \
+            f"timed call {failed['i']} (fresh inputs)" if failed["phase"] == "time" else "the profiler's call"
+        died = r.error if (failed.get("reason") or "").startswith("no reply") and r.error else None
+        v.error = f"incorrect on {where}: " + (f"the candidate {died}" if died else str(failed["reason"]))
         return
-    calls = seen["calls"]
-    v.timings["checked_calls"] = len(calls)  # every timed call, warm-ups included
-    bad_call = next((i for i, c in enumerate(calls) if not c.get("ok")), None)
-    if bad_call is not None:
-        v.error = f"incorrect on timed call {bad_call} (fresh inputs): {calls[bad_call].get('reason')}"
+    if r.result is None and len(trials) < cfg.n_trials:
+        v.error = f"candidate {r.error}"
         return
-    if cfg.profile and len(calls) < cfg.warmup + max(cfg.iters, 1):
-        v.violation = f"timing protocol broken ({seen['bad'] or 'calls missing'})"
+    if res.get("error"):
+        v.error = res["error"]
+        return
+    if len(trials) < cfg.n_trials or not any(c.get("phase") == "ops" for c in calls):
+        v.error = f"the check ended after {len(trials)} of {cfg.n_trials} trials ({end.get('error') or r.error})"
+        return
+    v.timings["checked_calls"] = len(timed)  # every timed call, warm-ups included, compared in full
+    if cfg.profile and len(timed) < cfg.warmup + max(cfg.iters, 1):
+        v.error = f"the timed calls ended early ({end.get('error') or r.error or 'calls missing'})"
         return
     v.correct = True
     if not cfg.profile:

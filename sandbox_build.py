@@ -98,7 +98,7 @@ def _compile_one(ws: str, name: str, ext: str, cfg: SandboxConfig,
         if left <= 0:
             return False, f"{own}: not compiled: the workspace's compile budget of {cfg.compile_budget_s:g} s is spent", None
         r = run_child({}, jobdir, device="cpu", timeout_s=min(timeout, left), mem_limit_mb=cfg.mem_limit_mb,
-                      cmd=cmd, hide=hidden(cfg, ws))
+                      cmd=cmd, hide=hidden(cfg, ws), disk_limit_mb=cfg.disk_limit_mb)
         log = r.stdout + r.stderr
         built = os.path.join(wdir, f"{name}.so")
         if r.error and left < timeout and r.error.startswith("timed out"):
@@ -182,7 +182,8 @@ def build_inline(cand: str, wdir: str, cfg: SandboxConfig) -> tuple[str, str | N
                     return ext, f"load_inline build dir refused: {e}"
         else:
             r = run_child(job, jobdir, device=cfg.device, timeout_s=cfg.compile_timeout_s + 60,
-                          mem_limit_mb=cfg.mem_limit_mb, writable=(ext,), hide=hidden(cfg), env=_build_env(cfg, ext))
+                          mem_limit_mb=cfg.mem_limit_mb, writable=(ext,), hide=hidden(cfg), env=_build_env(cfg, ext),
+                          disk_limit_mb=cfg.disk_limit_mb, disk_dirs=(ext,))
     finally:
         shutil.rmtree(jobdir, ignore_errors=True)
     res = r.result or {}
@@ -221,8 +222,9 @@ def _build_spare(cfg: SandboxConfig) -> tuple:
         ext = os.path.join(jobdir, "w", "ext")
         os.makedirs(ext)
         return Child(jobdir, device=cfg.device, mem_limit_mb=cfg.mem_limit_mb, hide=hidden(cfg),
-                     env=_build_env(cfg, ext), warm_for="build")
-    return (cfg.device, None, cfg.mem_limit_mb, tuple(hidden(cfg)), isolation()), min(2, warm_spares(cfg)), spawn
+                     env=_build_env(cfg, ext), warm_for="build", disk_limit_mb=cfg.disk_limit_mb)
+    key = (cfg.device, None, cfg.mem_limit_mb, cfg.disk_limit_mb, tuple(hidden(cfg)), isolation())
+    return key, min(2, warm_spares(cfg)), spawn
 
 
 def copy_build(src: str, dst: str):

@@ -14,12 +14,12 @@ import contextlib
 import fcntl
 import json
 import math
-import mmap
 import os
 import resource
 import secrets
 import shutil
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -32,7 +32,8 @@ import sandbox_wire
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_worker.py")
 # the modules the worker imports: bound beside it when the repository is hidden
-HARNESS_FILES = tuple(os.path.join(os.path.dirname(WORKER), f"sandbox_{m}.py") for m in ("inline", "measure", "wire"))
+HARNESS_FILES = tuple(os.path.join(os.path.dirname(WORKER), f"sandbox_{m}.py")
+                      for m in ("inline", "measure", "wire", "share", "driver", "rules"))
 GUARD: str | None = None  # the dispatch guard's .so, set by sandbox_build.guard_library; loaded by the worker
 PYCACHE: str | None = None  # the trusted bytecode cache, set by sandbox_build.bytecode_cache; read-only in children
 
@@ -133,7 +134,8 @@ def _needed() -> set[str]:
     return {os.path.realpath(p) for p in need if p and os.path.exists(p)}
 
 
-def _wrap(cmd: list[str], wdir: str, device: str, writable: list[str], hide: list[str]) -> list[str]:
+def _wrap(cmd: list[str], wdir: str, device: str, writable: list[str], hide: list[str], mem_limit_mb: int,
+          share_pid: bool) -> list[str]:
     """Prefix `cmd` with the isolation: only `wdir` and `writable` are writable; `hide` is invisible (empty
     tmpfs), except what the child runs from (`_needed`) and the worker script, which then appears at
     HARNESS_DIR (`cmd` is rewritten to it; `from sandbox_worker import ...` still works: the worker
@@ -143,27 +145,36 @@ def _wrap(cmd: list[str], wdir: str, device: str, writable: list[str], hide: lis
         return ["unshare", "--net", "--map-root-user", *cmd]
     if level == "rlimits":
         return cmd
-    return bwrap_argv(cmd, wdir, device, writable, hide)
+    return bwrap_argv(cmd, wdir, device, writable, hide, mem_limit_mb=mem_limit_mb, share_pid=share_pid)
 
 
 def bwrap_argv(cmd: list[str], wdir: str, device: str, writable: list, hide: list[str], ro_binds: tuple = (),
-               setenv: dict | None = None) -> list[str]:
+               setenv: dict | None = None, mem_limit_mb: int = 8192, share_pid: bool = False) -> list[str]:
     """The bubblewrap command line of every sandboxed process (jobs here, the agent's bash tool in tools.py):
-    read-only `/`, private /tmp and /dev/shm, `hide` invisible, `wdir` and `writable` writable, `ro_binds`
-    read-only over them, no network, own namespaces; `cmd` last (empty: the caller appends it)."""
+    read-only `/`, private /tmp and /dev/shm of capped size (`tmpfs_caps`), `hide` invisible (empty read-only
+    tmpfs), `wdir` and `writable` writable, `ro_binds` read-only over them, no network, own namespaces; `cmd`
+    last (empty: the caller appends it). `share_pid` keeps the host's PID namespace (and /proc): a check's
+    driver, which stops and continues the computing child, and runs no candidate code."""
     runs_worker, args = WORKER in cmd, ["bwrap", "--ro-bind", "/", "/"]
     args += ["--dev-bind", "/dev", "/dev"] if device == "cuda" else ["--dev", "/dev"]
-    args += ["--proc", "/proc", "--tmpfs", "/tmp", "--tmpfs", "/dev/shm"]
+    tmp_mb, shm_mb = tmpfs_caps(mem_limit_mb)
+    # the driver sees the host's /proc (to stop and continue the computing child); CUDA fails to start (error 304)
+    # with it read-only. The driver runs no candidate code
+    args += ["--bind", "/proc", "/proc"] if share_pid else ["--proc", "/proc"]
+    args += ["--size", str(tmp_mb << 20), "--tmpfs", "/tmp", "--size", str(shm_mb << 20), "--tmpfs", "/dev/shm"]
     hidden = [h for h in dict.fromkeys(os.path.realpath(os.path.expanduser(x)) for x in [root(), *hide])
               if h not in _UNHIDEABLE and (os.path.isdir(h) or h.startswith("/tmp/"))]
     inside = lambda p, d: p.startswith(d + os.sep)  # noqa: E731 - strictly below
-    args += [a for h in hidden for a in ("--tmpfs", h)]  # after /tmp: tmpfs mount points are created
+    named = hidden  # everything named hidden, the repository among them when the caller hides it
+    hidden = [h for h in hidden if not any(inside(h, o) for o in hidden)]  # below another: hidden with it
+    args += [a for h in hidden for a in ("--size", str(1 << 20), "--tmpfs", h)]  # after /tmp: mount points
     masked = hidden + ["/tmp", "/dev/shm"]  # the private /tmp also hides an interpreter or a repo kept there
     back = sorted(p for p in _needed() if any(inside(p, h) for h in masked))
     args += [a for p in back for a in ("--ro-bind", p, p)]
-    args += [a for h in hidden if any(inside(h, p) for p in back) for a in ("--tmpfs", h)]  # still hidden
+    still = [h for h in hidden if any(inside(h, p) for p in back)]
+    args += [a for h in still for a in ("--size", str(1 << 20), "--tmpfs", h)]  # still hidden
     repo = os.path.realpath(REPO)
-    if repo not in hidden and any(inside(repo, m) for m in masked):  # reference and call children import it
+    if repo not in named and any(inside(repo, m) for m in masked):  # reference and call children import it
         args += ["--ro-bind", repo, repo]
     elif any(inside(os.path.realpath(WORKER), m) for m in masked):
         for f in (WORKER, *HARNESS_FILES):  # the worker and the modules it imports, side by side
@@ -178,8 +189,19 @@ def bwrap_argv(cmd: list[str], wdir: str, device: str, writable: list, hide: lis
         src, dst = w if isinstance(w, tuple) else (w, w)  # (host dir, where the child sees it)
         args += ["--bind", src, dst]
     args += [a for p in ro_binds for a in ("--ro-bind", p, p)]
+    # hidden directories hold nothing and take nothing: a writable tmpfs there would be host memory that no
+    # process's RSS shows (binds inside them, made above, keep their own flags)
+    args += [a for h in dict.fromkeys(hidden + still) for a in ("--remount-ro", h)]
     args += [a for k, v in (setenv or {}).items() for a in ("--setenv", k, v)]
-    return args + ["--unshare-all", "--die-with-parent", "--new-session", "--chdir", wdir, *cmd]
+    unshare = ["--unshare-user", "--unshare-ipc", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"] \
+        if share_pid else ["--unshare-all"]
+    return args + [*unshare, "--die-with-parent", "--new-session", "--chdir", wdir, *cmd]
+
+
+def tmpfs_caps(mem_limit_mb: int) -> tuple[int, int]:
+    """MB of a child's private /tmp and /dev/shm: tmpfs pages are in no process's RSS, so each mount is capped
+    and what it holds is counted with the RSS against the memory limit (`Child.run`)."""
+    return max(64, min(mem_limit_mb // 2, 4096)), max(16, min(mem_limit_mb // 4, 1024))
 
 
 def _proc_tree(pid: int) -> list[int]:
@@ -248,8 +270,7 @@ def _reader(fd: int, nonce: bytes, out: list, on_msg, state: dict, max_msgs: int
     """Read nonce-framed messages (sandbox_wire.Channel) until EOF; a bad frame, a message over
     state["max_msg_bytes"] (head and tensors together) or too many messages mark the channel corrupt. Each message is
     handed to `on_msg` and then only its small fields are kept (tensors under "outs" are dropped), so the
-    host holds at most one message's payload at a time. Tensors are read straight into their own storage, or,
-    for a spec with an offset (`at`), viewed in place in the child's shared output buffer (state["shm"])."""
+    host holds at most one message's payload at a time. Tensors are read straight into their own storage."""
     import torch
     with os.fdopen(fd, "rb", buffering=0) as f:
         def read_into(view) -> bool:
@@ -288,18 +309,9 @@ def _reader(fd: int, nonce: bytes, out: list, on_msg, state: dict, max_msgs: int
                 specs = sandbox_wire.tensor_specs(head)
                 left = max_msg_bytes - n
                 tensors = []
-                for dt, shape, at in specs:
+                for dt, shape in specs:
                     dtype = getattr(torch, dt)
                     size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-                    if at is not None:  # in the shared buffer: bounds checked here, nothing to read
-                        shm = state.get("shm")
-                        if shm is None or at % 64 or at + size > len(shm):
-                            state.setdefault("corrupt", "a tensor outside the shared output buffer")
-                            return
-                        view = torch.frombuffer(shm, dtype=torch.uint8, count=size, offset=at) if size else \
-                            torch.empty(0, dtype=torch.uint8)
-                        tensors.append(view.view(dtype).reshape(shape))
-                        continue
                     m = frame(left)
                     if m is None or m != size:
                         state.setdefault("corrupt", "a tensor frame does not match its spec")
@@ -388,32 +400,35 @@ class Child:
     """One sandboxed child process and its channel. `Child(...)` starts it; `run(job)` hands it its job and
     collects its messages until it exits (a ChildResult). With `job=None` at start the child is WARM: the
     worker imports torch, brings CUDA up and warms its checks, then waits on the control pipe for the job,
-    so a check does not pay the start-up (sandbox.py keeps one spare per device). One job per child, always."""
+    so a check does not pay the start-up (sandbox.py keeps spares per device). One job per child, always; a
+    long-lived job (a check's driver) is driven with `start`, `send` and `watch` instead of `run`.
+
+    Besides the result pipe (child -> host) and the control pipe (host -> child), a worker holds one end of a
+    unix socket (`fd_sock`) over which file descriptors travel: the driver's shared regions and the link
+    between a driver and the child that computes. Limits while it runs: the wall clock, memory (the RSS of its
+    process tree plus what its private /tmp and /dev/shm hold), and `disk_limit_mb` over its job dir and
+    `disk_dirs` (what a compile or build writes)."""
 
     def __init__(self, jobdir: str, *, device: str, mem_limit_mb: int, gpu: int | None = None, writable: tuple = (),
                  hide: tuple = (), env: dict | None = None, cmd: list[str] | None = None, max_msg_mb: int = 64,
-                 job: dict | None = None, on_msg=None, warm_for: str = "candidate", shm_bytes: int = 0):
+                 job: dict | None = None, on_msg=None, warm_for: str = "candidate", share_pid: bool = False,
+                 disk_limit_mb: int | None = None, disk_dirs: tuple = ()):
         self.jobdir, self.device, self.mem_limit_mb, self.on_msg = jobdir, device, mem_limit_mb, on_msg
-        self.gpu = gpu
+        self.gpu, self.disk_limit_mb = gpu, disk_limit_mb
         self.wdir = os.path.join(jobdir, "w")
+        self.disk_dirs = (self.wdir, *disk_dirs)
         os.makedirs(self.wdir, exist_ok=True)
         self.warm, self.is_worker = job is None and cmd is None, cmd is None
         nonce = secrets.token_bytes(16)
         rfd, wfd = os.pipe()
         crfd, cwfd = os.pipe()
-        # The output buffer a worker shares with the host (trial outputs, `Child.run(shm_bytes=)`): created here,
-        # grown by the host once a job's size is known, and sealed against shrinking, so nothing the child
-        # does to it can fault the host's mapping (SIGBUS).
-        self.shm_fd, self.shm = os.memfd_create("cuda_agent_out", os.MFD_ALLOW_SEALING), None
-        fcntl.fcntl(self.shm_fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+        self.fd_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.state = {"max_msg_bytes": max_msg_mb << 20}
-        if job is not None and shm_bytes:
-            job = {**job, "shm_bytes": self._open_shm(shm_bytes)}
-        with contextlib.suppress(OSError):  # 1 MiB instead of 64 KiB: a 64 MB output in 64 wake-ups, not 1,024
+        with contextlib.suppress(OSError):  # 1 MiB instead of 64 KiB: fewer wake-ups for a large message
             fcntl.fcntl(wfd, fcntl.F_SETPIPE_SZ, 1 << 20)
         with open(os.path.join(self.wdir, "job.json"), "w") as f:  # no seed, plan or nonce: fds and kind only
             json.dump({**(job or {"kind": "warm", "device": device, "for": warm_for}), "result_fd": wfd,
-                       "control_fd": crfd, "shm_fd": self.shm_fd}, f)
+                       "control_fd": crfd, "fd_sock": child_sock.fileno()}, f)
         child_env = {k: os.environ[k] for k in PASS_ENV if k in os.environ}
         child_env.update({"HOME": self.wdir, "TMPDIR": "/tmp" if isolation() == "bwrap" else self.wdir,
                           "PYTHONDONTWRITEBYTECODE": "1", "CUDA_AGENT_GUARD": guard_seen(isolation()),
@@ -422,7 +437,7 @@ class Child:
             child_env["PYTHONPYCACHEPREFIX"] = PYCACHE_SEEN
         child_env["CUDA_VISIBLE_DEVICES"] = visible_devices(gpu) if device == "cuda" else ""  # cpu: no GPU
         cmd = cmd or [sys.executable, WORKER, os.path.join(self.wdir, "job.json")]
-        full = _wrap(cmd, self.wdir, device, list(writable), list(hide))
+        full = _wrap(cmd, self.wdir, device, list(writable), list(hide), mem_limit_mb, share_pid)
         self.out_f = open(os.path.join(jobdir, "stdout"), "w+b")
         self.err_f = open(os.path.join(jobdir, "stderr"), "w+b")
         self.msgs = []
@@ -430,12 +445,13 @@ class Child:
         self.t_started, self.startup = time.monotonic(), None
         try:
             self.proc = subprocess.Popen(full, stdin=subprocess.DEVNULL, stdout=self.out_f, stderr=self.err_f,
-                                         env=child_env, cwd=self.wdir, pass_fds=(wfd, crfd, self.shm_fd),
+                                         env=child_env, cwd=self.wdir, pass_fds=(wfd, crfd, child_sock.fileno()),
                                          start_new_session=True,
                                          preexec_fn=_limits(mem_limit_mb + 4096 if device == "cpu" else None))
         finally:
             os.close(wfd)
             os.close(crfd)
+            child_sock.close()
         with _LIVE_LOCK:
             _LIVE.add(self)
         self._send({"nonce": nonce.hex()})  # the worker reads this line before anything else
@@ -452,18 +468,38 @@ class Child:
             self.control.write(json.dumps(obj) + "\n")
             self.control.flush()
 
+    send = _send
+
+    def send_fds(self, obj: dict, fds: list[int]):
+        """`obj` and the file descriptors `fds` to the child (it reads them with sandbox_wire.recv_fds)."""
+        socket.send_fds(self.fd_sock, [json.dumps(obj).encode()], fds)
+
+    def recv_fds(self, timeout_s: float, max_fds: int = 16) -> tuple[dict, list[int]] | None:
+        self.fd_sock.settimeout(timeout_s)
+        try:
+            data, fds, _, _ = socket.recv_fds(self.fd_sock, 1 << 16, max_fds)
+        except (OSError, TimeoutError):
+            return None
+        return (json.loads(data) if data else {}), list(fds)
+
     def alive(self) -> bool:
         return self.proc.poll() is None and not self.state.get("corrupt")
+
+    def stderr_tail(self, n: int = 2000) -> str:
+        """The end of what the child has written to stderr so far (its file stays open)."""
+        with contextlib.suppress(OSError), open(self.err_f.name, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - n))
+            return f.read().decode(errors="replace")
+        return ""
 
     def kill(self):
         _kill_tree(self.proc)
         self.proc.wait()
         with _LIVE_LOCK:
             _LIVE.discard(self)
-        for f in (self.out_f, self.err_f, self.control):
+        for f in (self.out_f, self.err_f, self.control, self.fd_sock):
             with contextlib.suppress(OSError, ValueError):
                 f.close()
-        self._close_shm()
 
     def _reap(self):
         self.proc.wait()
@@ -471,58 +507,92 @@ class Child:
             _LIVE.discard(self)
             _REAPING.get(self.gpu, set()).discard(threading.current_thread())
 
-    def _open_shm(self, n: int) -> int:
-        os.ftruncate(self.shm_fd, n)
-        self.shm = self.state["shm"] = mmap.mmap(self.shm_fd, n)
-        return n
-
-    def _close_shm(self):
-        if self.shm is not None:
-            with contextlib.suppress(BufferError):  # a view still alive: the map goes with it
-                self.shm.close()
-            self.shm = self.state["shm"] = None
-        with contextlib.suppress(OSError):
-            os.close(self.shm_fd)
-
-    def run(self, job: dict | None, timeout_s: float, on_msg=None, max_msg_mb: int | None = None,
-            shm_bytes: int = 0) -> ChildResult:
-        """Give a warm child `job` (a cold one has it already), then wait until it exits, killing it on the
-        wall-clock limit, over `mem_limit_mb` of RSS (the whole process tree), or on a corrupt channel.
-        `shm_bytes`: the size of the shared output buffer the job may write tensors into (a warm child's job)."""
+    def start(self, job: dict, on_msg=None, max_msg_mb: int | None = None):
+        """Hand a warm child its job (a cold one has it already)."""
         self.on_msg = on_msg or self.on_msg
         if max_msg_mb is not None:
             self.state["max_msg_bytes"] = max_msg_mb << 20
-        started = bool(self.msgs)  # a warm child has reported before any candidate code exists in it
+        self.started_before = bool(self.msgs)  # a warm child has reported before any candidate code exists in it
         if self.warm:
-            if shm_bytes:  # grown and mapped before the job exists in the child
-                self._open_shm(shm_bytes)
             self.startup = {**phases(self.msgs, self.t_started),
                             "job_at_s": round(time.monotonic() - self.t_started, 3)}  # a spare's start-up
             del self.msgs[:]
             self.t_started = time.monotonic()
-            self._send({"job": {**job, "shm_bytes": shm_bytes} if shm_bytes else job})
-        proc, t_end, why, peak, tree, n = self.proc, time.monotonic() + timeout_s, None, 0.0, [self.proc.pid], 0
-        answered = False
-        while proc.poll() is None:
-            if self.is_worker and self.msgs and self.msgs[-1][1].get("type") == "result":
-                answered = True  # the worker's last message: its exit is not waited for (below)
-                break
+            self._send({"job": job})
+            self.warm = False
+
+    def _used_mb(self, tree: list[int]) -> float:
+        """What the child's private /tmp and /dev/shm hold, seen through one of its processes' root."""
+        own = os.readlink("/proc/self/ns/mnt")
+        for p in reversed(tree):
+            try:
+                if os.readlink(f"/proc/{p}/ns/mnt") == own:  # bwrap's own process: the host's mounts
+                    continue
+                mounts = [f"/proc/{p}/root{m}" for m in ("/tmp", "/dev/shm")]
+                # a process still setting up its namespace sees the host's own /tmp (the root disk): not its own
+                if any(os.stat(m).st_dev == os.stat(h).st_dev for m, h in zip(mounts, ("/tmp", "/dev/shm"))):
+                    continue
+                return sum((st.f_blocks - st.f_bfree) * st.f_frsize for st in map(os.statvfs, mounts)) / 2**20
+            except OSError:
+                continue
+        return 0.0
+
+    def _disk_mb(self) -> float:
+        total = 0
+        for d in self.disk_dirs:
+            for dirpath, _, files in os.walk(d):
+                for f in files:
+                    with contextlib.suppress(OSError):
+                        total += os.lstat(os.path.join(dirpath, f)).st_blocks * 512
+        return total / 2**20
+
+    def watch(self, until, timeout_s: float) -> str | None:
+        """Poll until `until()` holds or the child exits (None), or a limit is hit: the child is then killed
+        and the reason returned. Limits: `timeout_s`, a corrupt channel, memory (RSS of the whole tree + its
+        tmpfs mounts), disk."""
+        proc, t_end, peak, tree, n = self.proc, time.monotonic() + timeout_s, 0.0, [self.proc.pid], 0
+        why = None
+        while proc.poll() is None and not until():
             if time.monotonic() > t_end:
                 why = f"timed out after {timeout_s:.0f}s"
             elif self.state.get("corrupt"):  # the reader has stopped: nothing will answer the child any more
                 why = self.state["corrupt"]
             else:
-                tree = _proc_tree(proc.pid) if n % 5 == 0 else tree  # the /proc scan is the costly part
-                n += 1
-                peak = max(peak, _rss_mb(tree))
+                if n % 5 == 0:  # the /proc scan is the costly part
+                    tree = _proc_tree(proc.pid)
+                    self.tmpfs_mb = self._used_mb(tree) if isolation() == "bwrap" else 0.0
+                peak = max(peak, _rss_mb(tree) + getattr(self, "tmpfs_mb", 0.0))
                 if peak > self.mem_limit_mb:
-                    why = f"memory limit exceeded (RSS {peak:.0f} MB > {self.mem_limit_mb} MB)"
+                    why = f"memory limit exceeded (RSS + tmpfs {peak:.0f} MB > {self.mem_limit_mb} MB)"
+                elif self.disk_limit_mb and n % 20 == 0 and self._disk_mb() > self.disk_limit_mb:
+                    why = f"disk limit exceeded (more than {self.disk_limit_mb} MB written)"
+                n += 1
             if why:
                 _kill_tree(proc)
-                break
+                return why
             time.sleep(0.01 if self.warm else 0.05)
-        if answered:  # killed now and reaped in the background: a CUDA process's exit (context teardown) took
-            _kill_tree(proc)  # ~0.2 s of every check on an H200; `settle` waits for it before anything is timed
+        if self.disk_limit_mb and self._disk_mb() > self.disk_limit_mb:  # written faster than the polls saw
+            _kill_tree(proc)
+            return f"disk limit exceeded (more than {self.disk_limit_mb} MB written)"
+        return None
+
+    def run(self, job: dict | None, timeout_s: float, on_msg=None, max_msg_mb: int | None = None) -> ChildResult:
+        """Give a warm child `job` (a cold one has it already), then wait until it exits, killing it on the
+        wall-clock limit, over the memory or disk limit, or on a corrupt channel."""
+        if job is not None or self.warm:
+            self.start(job, on_msg, max_msg_mb)
+        else:
+            self.on_msg = on_msg or self.on_msg
+            self.started_before = False
+        started = getattr(self, "started_before", False)
+        answered = lambda: self.is_worker and bool(self.msgs) and self.msgs[-1][1].get("type") == "result"  # noqa: E731
+        why = self.watch(answered, timeout_s)
+        proc = self.proc
+        if why is None and answered() and proc.poll() is None:
+            # the worker's last message: its exit is not waited for. Killed now and reaped in the background: a
+            # CUDA process's exit (context teardown) took ~0.2 s of every check on an H200; `settle` waits for it
+            # before anything is timed
+            _kill_tree(proc)
             reaper = threading.Thread(target=self._reap, daemon=True)
             with _LIVE_LOCK:
                 _REAPING.setdefault(self.gpu, set()).add(reaper)
@@ -532,9 +602,9 @@ class Child:
             with _LIVE_LOCK:
                 _LIVE.discard(self)
             self.reader.join(timeout=10)
-        with contextlib.suppress(OSError):
-            self.control.close()
-        self._close_shm()
+        for f in (self.control, self.fd_sock):
+            with contextlib.suppress(OSError):
+                f.close()
         rc, msgs, state = proc.returncode, self.msgs, self.state
         stdout, stderr = _tail(self.out_f), _tail(self.err_f)
         result = next((m for _, m in reversed(msgs) if m.get("type") == "result"), None)
@@ -552,11 +622,13 @@ class Child:
 
 def run_child(job: dict, jobdir: str, *, device: str, timeout_s: float, mem_limit_mb: int, gpu: int | None = None,
               writable: tuple = (), hide: tuple = (), env: dict | None = None, on_msg=None,
-              cmd: list[str] | None = None, max_msg_mb: int = 64, shm_bytes: int = 0) -> ChildResult:
+              cmd: list[str] | None = None, max_msg_mb: int = 64, disk_limit_mb: int | None = None,
+              disk_dirs: tuple = ()) -> ChildResult:
     """Run one sandboxed child (the worker with `job`, or `cmd`) and collect its messages (each at most
     `max_msg_mb`). The nonce that frames them goes down the control pipe, never into a file."""
     child = Child(jobdir, device=device, mem_limit_mb=mem_limit_mb, gpu=gpu, writable=writable, hide=hide, env=env,
-                  cmd=cmd, max_msg_mb=max_msg_mb, job=job, on_msg=on_msg, shm_bytes=shm_bytes)
+                  cmd=cmd, max_msg_mb=max_msg_mb, job=job, on_msg=on_msg, disk_limit_mb=disk_limit_mb,
+                  disk_dirs=disk_dirs)
     return child.run(None, timeout_s)
 
 

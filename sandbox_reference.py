@@ -1,11 +1,18 @@
-"""The trusted side of a check: reference children (pristine task code), the reference pools a check draws
-its seeds from, and the eager / `torch.compile` baselines (timed in interleaved rounds, cached, re-timed,
-prewarmed). Nothing here runs candidate code.
+"""The trusted side of a check, on the host: a check's driver (sandbox_driver.py, in its own child) and the
+sessions it runs with a computing child, the eager / `torch.compile` baselines (timed by a driver in a
+baseline child, exactly as candidates are: cached, re-timed, prewarmed) and the validation of a task.
+Nothing here runs candidate code.
 
-Smoke: python -m pytest tests/test_sandbox.py -q -k "baseline or pool or prewarm"
+A driver holds one task and serves up to DRIVER_MAX_USES checks of it, one at a time (a pool's checks of one
+GPU are serial): what it keeps between checks is its own (the reference model, the shared regions, its
+private RNG), and every check gets a fresh computing child. Drivers are kept per device slot, at most
+DRIVERS_PER_SLOT, the least recently used retired first.
+
+Smoke: python -m pytest tests/test_sandbox.py -q -k "baseline or prewarm or pool"
 """
 from __future__ import annotations
 
+import atexit
 import concurrent.futures as cf
 import contextlib
 import hashlib
@@ -13,12 +20,13 @@ import json
 import os
 import secrets
 import shutil
+import socket
 import subprocess
 import threading
 from typing import TYPE_CHECKING
 
-import sandbox_measure
-from sandbox_child import Child, isolation, new_jobdir, run_child, settle, visible_devices
+from sandbox_child import (Child, ChildResult, SandboxError, isolation, last_line, new_jobdir, run_child, settle,
+                           visible_devices)
 from sandbox_spares import Spares, warm_spares
 from workspace import TaskError, read_task
 
@@ -33,8 +41,8 @@ def precision_of(cfg: SandboxConfig) -> str:
     return ("tf32" if cfg.rtol >= 1e-3 else "fp32") if cfg.precision == "auto" else cfg.precision
 
 
-BASELINE_TIMING = "fresh inputs, scrub, sketch"  # how baselines are timed (sandbox_measure.Timer); a cache entry
-# timed any other way is timed again
+BASELINE_TIMING = "driver clock"  # how baselines are timed (a baseline child under a driver, as candidates are);
+# a cache entry timed any other way is timed again
 
 
 _NAMES: dict = {}
@@ -78,89 +86,311 @@ def baseline_cache(cfg: SandboxConfig, key: str, value: dict | None = None) -> d
     return value
 
 
-REF_SPARES = Spares()  # warm reference children: torch, CUDA and torch.compile's modules already imported
+
+
+REF_SPARES = Spares()  # warm baseline children: torch, CUDA and torch.compile's modules already imported
+DRIVER_SPARES = Spares()  # warm drivers: torch, CUDA and the driver API up
 
 
 def _inductor_env(inductor: str) -> dict:
-    """torch.compile in a reference child: its own cache dir, and one compile thread. Inductor's default is a
-    pool of worker processes, one per core, each importing torch; they count towards the child's RSS limit
-    (the whole process tree), and on a 16-core host the pool alone took the 128-sine task over 8 GB."""
+    """torch.compile in a child: its own cache dir, and one compile thread. Inductor's default is a pool of
+    worker processes, one per core, each importing torch; they count towards the child's RSS limit (the whole
+    process tree), and on a 16-core host the pool alone took the 128-sine task over 8 GB."""
     return {"TORCHINDUCTOR_CACHE_DIR": inductor, "TORCHINDUCTOR_COMPILE_THREADS": "1"}
 
 
+def _inductor(cfg) -> str:
+    path = os.path.join(os.path.expanduser(cfg.cache_dir), "inductor")
+    os.makedirs(path, exist_ok=True)  # bound writable into the child: it must exist first
+    return path
+
+
 def ref_spare(cfg: SandboxConfig, gpu) -> tuple:
-    """(key, count, spawn) of the warm reference children of this config and device slot: two each, since
-    a task's first check runs one and, when its candidate beats a baseline timed once, the re-timing runs
-    another at once (in a cold child that re-timing cost ~10 s on an H200). Each holds a CUDA context."""
-    inductor = os.path.join(os.path.expanduser(cfg.cache_dir), "inductor")
+    """(key, count, spawn) of the warm baseline children of this config and device slot: two each, since a
+    task's first check times its baselines in one and, when its candidate beats a baseline timed once, the
+    re-timing runs another at once. Each holds a CUDA context."""
+    inductor = _inductor(cfg)
 
     def spawn() -> Child:
-        os.makedirs(inductor, exist_ok=True)  # bound writable into the child: it must exist first
         return Child(new_jobdir(), device=cfg.device, mem_limit_mb=cfg.mem_limit_mb, gpu=gpu, writable=(inductor,),
                      env=_inductor_env(inductor), warm_for="reference")
     return (cfg.device, gpu, cfg.mem_limit_mb, inductor, isolation()), min(2, warm_spares(cfg)), spawn
 
 
-def run_reference(task_src: str, cfg: SandboxConfig, seeds: list[int], want_baselines: bool,
-               gpu: int | None = None, warm: bool = False, sketch_seeds: dict | None = None) -> dict:
-    """Run the reference child; returns its result dict or raises TaskError. `warm`: only compile (prewarm).
-    `seeds` get full outputs, `sketch_seeds` ({seed: projection keys}) get sketches only."""
-    inductor = os.path.join(os.path.expanduser(cfg.cache_dir), "inductor")
-    os.makedirs(inductor, exist_ok=True)
-    child = None if warm or warm_spares(cfg) == 0 else REF_SPARES.take(*ref_spare(cfg, gpu))[0]
-    jobdir = child.jobdir if child else new_jobdir()
+def driver_spare(cfg: SandboxConfig, gpu) -> tuple:
+    """(key, count, spawn) of warm drivers: a driver shares the host's PID namespace (it stops and continues
+    the computing child) and runs only task code."""
+    def spawn() -> Child:
+        return Child(new_jobdir(), device=cfg.device, mem_limit_mb=cfg.mem_limit_mb, gpu=gpu, warm_for="driver",
+                     share_pid=True)
+    return (cfg.device, gpu, cfg.mem_limit_mb, "driver", isolation()), min(2, warm_spares(cfg)), spawn
+
+
+def run_reference(task_src: str, cfg: SandboxConfig, gpu: int | None = None, warm: bool = False) -> dict:
+    """Validate a task in a child (import, names, tensor inputs, one forward), or with `warm` only compile it
+    (prewarm); returns the child's result or raises TaskError."""
+    inductor = _inductor(cfg)
+    jobdir = new_jobdir()
     try:
         wdir = os.path.join(jobdir, "w")
         os.makedirs(wdir, exist_ok=True)
         with open(os.path.join(wdir, "task.py"), "w") as f:
             f.write(task_src)
         job = {"kind": "reference", "task_path": os.path.join(wdir, "task.py"), "device": cfg.device,
-               "seeds": seeds, "sketch_seeds": {str(s): k for s, k in (sketch_seeds or {}).items()},
-               "timing_seed": secrets.randbelow(2**31), "init_seed": cfg.seed,
-               "baselines": want_baselines, "precision": precision_of(cfg),
-               "warmup": cfg.warmup, "iters": cfg.iters, "warm": warm}
-        env = _inductor_env(inductor)
-        outputs: dict = {}
-
-        def on_msg(msg, control):  # outputs arrive one seed at a time
-            if msg.get("type") == "ref_out":
-                outputs[int(msg["seed"])] = msg["outs"]
-        timeout = cfg.run_timeout_s + (cfg.compile_timeout_s if want_baselines or warm else 0)
-        if want_baselines:  # timed: no earlier job's child may still be leaving the device
-            settle(gpu)
-        if child:
-            r = child.run(job, timeout, on_msg, max_msg_mb=2 * cfg.mem_limit_mb + 256)
-        else:
-            r = run_child(job, jobdir, device=cfg.device, timeout_s=timeout, mem_limit_mb=cfg.mem_limit_mb, gpu=gpu,
-                          writable=(inductor,), env=env, on_msg=on_msg, max_msg_mb=2 * cfg.mem_limit_mb + 256)
+               "init_seed": cfg.seed, "precision": precision_of(cfg), "warm": warm}
+        r = run_child(job, jobdir, device=cfg.device, timeout_s=cfg.run_timeout_s + (cfg.compile_timeout_s if warm
+                      else 0), mem_limit_mb=cfg.mem_limit_mb, gpu=gpu, writable=(inductor,),
+                      env=_inductor_env(inductor))
     finally:
         shutil.rmtree(jobdir, ignore_errors=True)
     if r.result is None:
         raise TaskError(f"reference run failed: {r.error}")
     if r.result.get("task_error"):
         raise TaskError(r.result["task_error"])
-    # where a reference child's time went: its start-up stages before the job was handed over (a spare that
-    # was ready) and the stages and phases after (one still starting, or a cold child)
-    startup = {"before_job": child.startup if child else None, "after_job": r.phases()}
-    return {**r.result, "outputs": outputs, "startup": startup}
+    return r.result
 
 
-def baseline_entry(res: dict, precision: str, device: str, old: dict | None = None) -> dict:
-    """A cache entry from the child's rounds, merged with an earlier entry of the same task (re-timing).
+# ----------------------------------------------------------------------------- drivers
+DRIVER_MAX_USES = 50  # checks one driver serves before a new one is started (0: a new driver every check)
+DRIVERS_PER_SLOT = 2
+
+
+class Driver:
+    """The host's handle on one driver child: started (warm or cold), ready (its specs, the reference weights,
+    the shared regions' file descriptors, held here to hand to each computing child), then one session at a time."""
+
+    def __init__(self, src: str, cfg: SandboxConfig, gpu):
+        self.key, self.gpu, self.uses, self.broken = driver_key(src, cfg, gpu), gpu, 0, False
+        self.events: list = []
+        self._cv = threading.Condition()
+        spares = warm_spares(cfg) > 0
+        child = DRIVER_SPARES.take(*driver_spare(cfg, gpu))[0] if spares else None
+        jobdir = child.jobdir if child else new_jobdir()
+        wdir = os.path.join(jobdir, "w")
+        os.makedirs(wdir, exist_ok=True)
+        with open(os.path.join(wdir, "task.py"), "w") as f:
+            f.write(src)
+        job = {"kind": "driver", "task_path": os.path.join(wdir, "task.py"), "device": cfg.device,
+               "init_seed": cfg.seed, "atol": cfg.atol, "rtol": cfg.rtol}
+        limit = 2 * cfg.mem_limit_mb + 256  # the ready message carries the reference weights
+        if child is None:
+            child = Child(jobdir, device=cfg.device, mem_limit_mb=cfg.mem_limit_mb, gpu=gpu, job=job, share_pid=True,
+                          max_msg_mb=limit, on_msg=self._on_msg)
+        else:
+            child.start(job, self._on_msg, max_msg_mb=limit)
+        self.child = child
+        why = child.watch(lambda: self._seen("ready", "result"), cfg.run_timeout_s)
+        ready = self._take("ready")
+        if ready is None:
+            res, said = self._take("result") or {}, last_line(child.stderr_tail())
+            said = f" ({said})" if said else ""
+            if not child.msgs and not res:  # nothing of the task ran: the sandbox's own failure
+                rc = child.proc.poll()
+                self.close()
+                raise SandboxError(f"a sandbox child did not start: {why or f'the driver exited with code {rc}'}{said}")
+            self.close()
+            raise TaskError(res.get("task_error") or f"reference run failed: {why or 'the driver exited'}{said}")
+        got = child.recv_fds(60)
+        if got is None:
+            self.close()
+            raise SandboxError("the driver's shared regions did not arrive")
+        self.fds = got[1]
+        self.attach = {"sizes": ready["sizes"], "in": ready["in"], "out": ready["out"]}
+        self.state_dict, self.device_name = ready["state_dict"], ready["device_name"]
+        self.out_kind, self.prep_ms = ready["out_kind"], ready["prep_ms"]
+        self.startup = child.startup
+
+    def _on_msg(self, msg, control):
+        with self._cv:
+            self.events.append(msg)
+            self._cv.notify_all()
+
+    def _seen(self, *types) -> bool:
+        with self._cv:
+            return any(m.get("type") in types for m in self.events)
+
+    def _take(self, t: str) -> dict | None:
+        with self._cv:
+            for i, m in enumerate(self.events):
+                if m.get("type") == t:
+                    return self.events.pop(i)
+        return None
+
+    def session(self, req: dict, link: socket.socket, timeout_s: float) -> tuple[list, dict]:
+        """Run one session (the computing child already has the other end of the link); returns the driver's
+        reports of the session (calls, the candidate's load) and its session_end. A driver that dies or
+        overruns is the sandbox's failure: SandboxError, and the driver is not used again."""
+        with self._cv:
+            self.events.clear()
+        self.uses += 1
+        self.child.send({"op": "session", **req})
+        self.child.send_fds({}, [link.fileno()])
+        link.close()  # in flight to the driver, which now holds the only end
+        why = self.child.watch(lambda: self._seen("session_end", "result"), timeout_s)
+        end = self._take("session_end")
+        with self._cv:
+            reports = [m for m in self.events if m.get("type") in ("call", "load")]
+        if end is None or end.get("driver_error"):
+            self.broken = True
+            err = (end or {}).get("driver_error") or why or f"the driver exited ({last_line(self.child.stderr_tail())})"
+            raise SandboxError(f"the check's driver failed: {err}")
+        return reports, end
+
+    def alive(self) -> bool:
+        return not self.broken and self.child.alive()
+
+    def close(self):
+        self.child.send({"op": "stop"})
+        self.child.kill()
+        shutil.rmtree(self.child.jobdir, ignore_errors=True)
+        for fd in getattr(self, "fds", []):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def driver_key(src: str, cfg: SandboxConfig, gpu) -> tuple:
+    return (hashlib.sha256(src.encode()).hexdigest(), cfg.device, gpu, cfg.mem_limit_mb, cfg.seed, cfg.atol, cfg.rtol,
+            isolation())
+
+
+_DRIVERS: list = []  # idle drivers, least recently used first
+_DRIVER_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def driver(src: str, cfg: SandboxConfig, gpu):
+    """An idle driver of this task on this slot (or a new one) for one check; kept afterwards while it is
+    well, has served fewer than DRIVER_MAX_USES checks, and is among the DRIVERS_PER_SLOT last used."""
+    key = driver_key(src, cfg, gpu)
+    with _DRIVER_LOCK:
+        d = next((d for d in _DRIVERS if d.key == key), None)
+        if d is not None:
+            _DRIVERS.remove(d)
+    if d is not None and not d.alive():
+        d.close()
+        d = None
+    if d is None:
+        if warm_spares(cfg) > 0:
+            DRIVER_SPARES.fill(*driver_spare(cfg, gpu))
+        d = Driver(src, cfg, gpu)
+    ok = False
+    try:
+        yield d
+        ok = True
+    finally:
+        retire = [d] if not ok or not d.alive() or d.uses >= DRIVER_MAX_USES else []
+        with _DRIVER_LOCK:
+            if not retire:
+                _DRIVERS.append(d)
+                mine = [x for x in _DRIVERS if x.gpu == gpu]
+                retire = mine[:max(0, len(mine) - DRIVERS_PER_SLOT)]
+                for x in retire:
+                    _DRIVERS.remove(x)
+        for x in retire:
+            x.close()
+
+
+@atexit.register
+def _close_drivers():
+    with _DRIVER_LOCK:
+        idle = list(_DRIVERS)
+        _DRIVERS.clear()
+    for d in idle:
+        with contextlib.suppress(Exception):
+            d.close()
+
+
+def run_session(drv: Driver, child: Child, job: dict | None, req: dict, timeout_s: float,
+                on_msg=None, max_msg_mb: int = 16) -> tuple[ChildResult, list, dict]:
+    """One session of `drv` with `child` computing: the child gets its job (a warm one; a cold one has it), the
+    regions and its end of a fresh link; the driver the other end and `req`. Returns the child's result and
+    the driver's reports and session_end."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    out: dict = {}
+    try:
+        if job is not None:
+            child.start(job, on_msg, max_msg_mb)
+        child.send({"attach": drv.attach})
+        child.send_fds({}, [b.fileno(), *drv.fds])
+        b.close()  # the host keeps no end of the link: when the child dies, the driver sees EOF at once
+        runner = threading.Thread(target=lambda: out.update(r=_run(child, timeout_s, on_msg, max_msg_mb)), daemon=True)
+        runner.start()
+        try:
+            reports, end = drv.session({**req, "root_pid": child.proc.pid}, a, timeout_s + 30)
+        except BaseException:
+            child.kill()
+            raise
+        finally:
+            a.close()
+            b.close()
+        runner.join(60)
+        if "r" not in out:  # the child outlived its session: it is killed, and says so
+            child.kill()
+            runner.join(30)
+    finally:
+        a.close()
+        b.close()
+    r = out.get("r")
+    if isinstance(r, BaseException):
+        raise r
+    return r, reports, end
+
+
+def _run(child: Child, timeout_s: float, on_msg, max_msg_mb):
+    try:
+        return child.run(None, timeout_s, on_msg, max_msg_mb)
+    except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+        return e
+
+
+# ----------------------------------------------------------------------------- baselines
+def baseline_entry(b: dict, precision: str, device: str, old: dict | None = None) -> dict:
+    """A cache entry from a baseline session's rounds, merged with an earlier entry of the same task (re-timing).
 
     The baseline is the MINIMUM over every round median of every run: load on the machine only ever makes
     a measurement slower, so the minimum is the measurement least inflated by it."""
-    b, old = res["baselines"], old or {}
+    old = old or {}
     eager = old.get("eager_rounds", []) + b["eager"]
     comp = None if b.get("compile") is None else old.get("compile_rounds", []) + b["compile"]
-    return {"eager_ms": min(eager), "eager_rounds": eager, "eager_cv": b["eager_cv"],
-            "compile_ms": min(comp) if comp else None, "compile_rounds": comp or [],
-            "compile_error": b.get("compile_error"), "runs": old.get("runs", 0) + 1,
+    return {"eager_ms": min(eager), "eager_rounds": eager, "compile_ms": min(comp) if comp else None,
+            "compile_rounds": comp or [], "compile_error": b.get("compile_error"), "runs": old.get("runs", 0) + 1,
             "spread": (max(eager) - min(eager)) / min(eager) if min(eager) > 0 else 0.0,
-            # per round, the median host time until eager's forward returned (the rest: waiting for the device)
-            "eager_launch": old.get("eager_launch", []) + b.get("eager_launch", []),
-            "eager_launch_ms": min(old.get("eager_launch", []) + b.get("eager_launch", []), default=None),
             "precision": precision, "device": device, "timing": BASELINE_TIMING}
+
+
+def time_baselines(drv: Driver, src: str, cfg: SandboxConfig, gpu) -> dict:
+    """Eager and compiled rounds of the task, in a baseline child (trusted code: the task and torch.compile)
+    under `drv`: the same calls, clock and copies as a candidate's. Returns the session's rounds."""
+    inductor = _inductor(cfg)
+    child = REF_SPARES.take(*ref_spare(cfg, gpu))[0] if warm_spares(cfg) > 0 else None
+    jobdir = child.jobdir if child else new_jobdir()
+    wdir = os.path.join(jobdir, "w")
+    os.makedirs(wdir, exist_ok=True)
+    with open(os.path.join(wdir, "task.py"), "w") as f:
+        f.write(src)
+    job = {"kind": "baseline", "task_path": os.path.join(wdir, "task.py"), "device": cfg.device,
+           "init_seed": cfg.seed, "precision": precision_of(cfg)}
+    timeout = cfg.run_timeout_s + cfg.compile_timeout_s
+    settle(gpu)  # timed: no earlier job's child may still be leaving the device
+    try:
+        if child is None:
+            child = Child(jobdir, device=cfg.device, mem_limit_mb=cfg.mem_limit_mb, gpu=gpu, writable=(inductor,),
+                          env=_inductor_env(inductor), job=job)
+            job = None
+        r, _, end = run_session(drv, child, job, _request(cfg, "baseline"), timeout)
+    finally:
+        shutil.rmtree(jobdir, ignore_errors=True)
+    if end.get("error") or not end.get("eager"):
+        raise TaskError(f"baseline run failed: {end.get('error') or (r.result or {}).get('error') or r.error}")
+    return end
+
+
+def _request(cfg: SandboxConfig, role: str, eager: bool = False) -> dict:
+    """A session's request to the driver: what to run, with the check's counts and limits."""
+    return {"role": role, "eager": eager, "n_trials": cfg.n_trials, "warmup": cfg.warmup, "iters": cfg.iters,
+            "profile": cfg.profile, "call_timeout_s": cfg.run_timeout_s, "attach_timeout_s": cfg.run_timeout_s,
+            "load_timeout_s": cfg.run_timeout_s + cfg.compile_timeout_s,
+            "compile_timeout_s": cfg.run_timeout_s + cfg.compile_timeout_s}
 
 
 def baselines(task: str, cfg: SandboxConfig, gpu: int | None = None) -> dict:
@@ -172,8 +402,15 @@ def baselines(task: str, cfg: SandboxConfig, gpu: int | None = None) -> dict:
     hit = baseline_cache(cfg, key)
     if hit and hit.get("timing") == BASELINE_TIMING:
         return hit
-    res = run_reference(src, cfg, [], True, gpu)  # no seeds: only the timings come back, not the outputs
-    return baseline_cache(cfg, key, baseline_entry(res, prec, res["device_name"]))
+    with driver(src, cfg, gpu) as drv:
+        end = time_baselines(drv, src, cfg, gpu)
+        return baseline_cache(cfg, key, baseline_entry(end, prec, drv.device_name))
+
+
+def retime(drv: Driver, src: str, cfg: SandboxConfig, gpu, key: str, base: dict) -> dict:
+    """Time the baselines again in a new baseline child and merge the rounds into the cached entry."""
+    end = time_baselines(drv, src, cfg, gpu)
+    return baseline_cache(cfg, key, baseline_entry(end, base["precision"], base["device"], old=base))
 
 
 def prewarm(tasks: list[str], cfg: SandboxConfig, workers: int = 8, gpus: list[int] | None = None,
@@ -200,7 +437,7 @@ def prewarm(tasks: list[str], cfg: SandboxConfig, workers: int = 8, gpus: list[i
     def one(i_h):
         i, h = i_h
         try:
-            run_reference(todo[h], cfg, [], False, slots[i % len(slots)], warm=True)
+            run_reference(todo[h], cfg, slots[i % len(slots)], warm=True)
             err = None
         except Exception as e:  # noqa: BLE001 - a failed prewarm only means the timed run compiles cold
             err = str(e) if isinstance(e, TaskError) else f"{type(e).__name__}: {e}"
@@ -211,57 +448,3 @@ def prewarm(tasks: list[str], cfg: SandboxConfig, workers: int = 8, gpus: list[i
         with cf.ThreadPoolExecutor(max_workers=max(1, workers)) as ex:
             out.update(ex.map(one, enumerate(todo)))
     return out
-
-
-REF_POOL_EXTRA = 4      # a reference pool holds n_trials + this many trial seeds, warmup + iters + this many
-REF_POOL_MAX_USES = 50  # timing seeds; checks served by one pool before it is recomputed (0: fresh each check)
-REF_POOL_MAX_MB = 2048  # pools whose outputs are larger than this are not kept (KernelBench L1: up to ~60 GB)
-REF_POOL_TOTAL_MB = 8192  # host RAM for all kept pools; the oldest are dropped beyond it
-_REF_POOLS: dict = {}
-_REF_LOCK = threading.Lock()
-
-
-def reference_pool(src: str, cfg: SandboxConfig, want_baselines: bool, gpu, dev: str) -> tuple[dict, list]:
-    """Reference results for one check and the check's request plan.
-
-    The pool holds full outputs for n_trials + EXTRA trial seeds and sketches for warmup + iters + EXTRA
-    timing seeds, each timing seed with its own projection keys; each check uses a random subset of the
-    trial seeds and the timing seeds in random order, no seed twice. Seeds and keys come from the host's
-    private RNG and reach the candidate one at a time, each only when it is used. Reusing a pool across
-    checks is safe because a candidate child never sees a reference output and keeps no state between
-    checks (its job dir is deleted; the cache is hidden).
-    """
-    key = (hashlib.sha256(src.encode()).hexdigest(), cfg.device, dev, cfg.seed, cfg.n_trials, cfg.warmup, cfg.iters,
-           cfg.profile)  # a verify-only pool has no sketches
-    n_time = cfg.warmup + max(cfg.iters, 1)
-    with _REF_LOCK:
-        entry = _REF_POOLS.get(key)
-        if entry and entry["uses"] < REF_POOL_MAX_USES and not want_baselines:
-            entry["uses"] += 1
-            ref = entry["ref"]
-        else:
-            ref = None
-    rng = secrets.SystemRandom()
-    if ref is None:
-        seeds = rng.sample(range(2**31), cfg.n_trials + n_time + 2 * REF_POOL_EXTRA)
-        trial_seeds, time_seeds = seeds[:cfg.n_trials + REF_POOL_EXTRA], seeds[cfg.n_trials + REF_POOL_EXTRA:]
-        keys = {s: [rng.randrange(2**62) for _ in range(sandbox_measure.SKETCH_KEYS)] for s in time_seeds}
-        ref = run_reference(src, cfg, trial_seeds, want_baselines, gpu, sketch_seeds=keys if cfg.profile else None)
-        ref["keys"] = keys if cfg.profile else {}
-        mb = sum(t.numel() * t.element_size() for outs in ref["outputs"].values() for t in outs) / 2**20
-        if REF_POOL_MAX_USES > 0 and mb <= REF_POOL_MAX_MB:
-            with _REF_LOCK:
-                kept = {k: v for k, v in ref.items() if k not in ("baselines", "phase_s")}  # phase_s: this run's
-                _REF_POOLS[key] = {"ref": kept, "uses": 1, "mb": mb}
-                while len(_REF_POOLS) > 1 and sum(e["mb"] for e in _REF_POOLS.values()) > REF_POOL_TOTAL_MB:
-                    _REF_POOLS.pop(next(iter(_REF_POOLS)))
-    plan = [{"op": "trial", "seed": s} for s in rng.sample(sorted(ref["outputs"]), cfg.n_trials)] + [{"op": "ops"}]
-    if cfg.profile:  # every timed call, warm-ups included, on fresh inputs and checked by its sketch
-        plan += [{"op": "time", "seed": s} for s in rng.sample(sorted(ref["sketches"]), n_time)]
-    return ref, plan + [{"op": "done"}]
-
-
-def retime(src: str, cfg: SandboxConfig, gpu, key: str, base: dict) -> dict:
-    """Time the baselines again in a new reference child and merge the rounds into the cached entry."""
-    res = run_reference(src, cfg, [], True, gpu)
-    return baseline_cache(cfg, key, baseline_entry(res, base["precision"], base["device"], old=base))

@@ -1,24 +1,25 @@
-"""The framed result channel between a sandbox child and the host: nonce-framed JSON heads with tensors as raw
-frames (or in the shared output buffer), and the control pipe's JSON lines. The child sends with `Channel`; the
-host reads with `tensor_specs` and `decode` (sandbox_child._reader). Runs INSIDE a child too (bound beside
-sandbox_worker.py); imports nothing of the project.
+"""The framed result channel between a sandbox child and the host (nonce-framed JSON heads with tensors as raw
+frames, and the control pipe's JSON lines), file descriptors over a unix socket, and the `Link` between a
+check's driver and the child that computes. A child sends with `Channel`; the host reads with `tensor_specs`
+and `decode` (sandbox_child._reader). Runs INSIDE a child too (bound beside sandbox_worker.py); imports
+nothing of the project.
 """
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import select
+import socket
 import struct
 import time
 
 _perf = time.perf_counter  # bound at import, before any candidate code exists in the child
-_T: dict = {}  # torch.empty and torch.frombuffer, bound by bind_torch() before candidate import
+_T: dict = {}  # torch.empty, bound by bind_torch() before candidate import
 
 
 def bind_torch():
     import torch
-    _T.update(empty=torch.empty, frombuffer=torch.frombuffer)
+    _T.update(empty=torch.empty)
 
 
 WIRE_DTYPES = ("float32", "float16", "bfloat16", "float64", "complex64", "complex128", "int64", "int32", "int16",
@@ -27,9 +28,7 @@ WIRE_DTYPES = ("float32", "float16", "bfloat16", "float64", "complex64", "comple
 
 def encode(msg, place=None) -> tuple[bytes, list]:
     """(JSON head, [contiguous cpu tensors]) for plain data with tensors in it. Tensors travel as raw bytes
-    after the head, so neither side pickles (the host never unpickles what a candidate wrote) and a 64 MB
-    output costs one device-to-host copy and one pipe write. `place(t)` may put a tensor in the shared output
-    buffer instead and return its offset (`at` in its spec; None: it does not fit, it takes the pipe)."""
+    after the head, so neither side pickles (the host never unpickles what a child wrote)."""
     import torch
     tensors: list = []
 
@@ -38,10 +37,6 @@ def encode(msg, place=None) -> tuple[bytes, list]:
             o = o.detach()
             assert str(o.dtype)[6:] in WIRE_DTYPES and o.layout == torch.strided, f"cannot send a {o.dtype} tensor"
             spec = {"__t__": len(tensors), "dtype": str(o.dtype)[6:], "shape": list(o.shape)}
-            at = place(o) if place is not None else None
-            if at is not None:
-                tensors.append(None)
-                return {**spec, "at": at}
             # through pinned memory: a device-to-host copy into fresh pageable memory ran at ~1 GB/s on an H200
             # host (page faults), into pinned memory at ~50 GB/s (docs/RESULTS.md)
             t = _T.get("empty", torch.empty)(o.shape, dtype=o.dtype, pin_memory=True).copy_(o) if o.is_cuda \
@@ -62,21 +57,19 @@ def encode(msg, place=None) -> tuple[bytes, list]:
     return json.dumps(enc(msg)).encode(), tensors
 
 
-def tensor_specs(head) -> list[tuple[str, list[int], int | None]]:
-    """The (dtype, shape, offset in the shared buffer or None) of each tensor a decoded head refers to, in
-    order; raises ValueError if malformed."""
+def tensor_specs(head) -> list[tuple[str, list[int]]]:
+    """The (dtype, shape) of each tensor a decoded head refers to, in order; raises ValueError if malformed."""
     specs: dict[int, tuple] = {}
 
     def walk(o):
         if isinstance(o, dict):
             if "__t__" in o:
-                i, dt, shape, at = o.get("__t__"), o.get("dtype"), o.get("shape"), o.get("at")
-                if set(o) - {"at"} != {"__t__", "dtype", "shape"} or type(i) is not int or i in specs or \
+                i, dt, shape = o.get("__t__"), o.get("dtype"), o.get("shape")
+                if set(o) != {"__t__", "dtype", "shape"} or type(i) is not int or i in specs or \
                         dt not in WIRE_DTYPES or not isinstance(shape, list) or \
-                        not all(type(d) is int and d >= 0 for d in shape) or \
-                        ("at" in o and not (type(at) is int and at >= 0)):
+                        not all(type(d) is int and d >= 0 for d in shape):
                     raise ValueError("bad tensor spec")
-                specs[i] = (dt, shape, at)
+                specs[i] = (dt, shape)
             else:
                 for v in o.values():
                     walk(v)
@@ -110,44 +103,17 @@ class Channel:
 
     def __init__(self, fd: int, nonce: bytes, control_fd: int | None):
         self.fd, self.nonce, self.control_fd, self._buf = fd, nonce, control_fd, b""
-        self.shm = None  # the output buffer shared with the host (memfd), mapped once a job gives its size
-
-    def map_shm(self, fd: int, n: int, device: str):
-        """Map the host's output buffer (n bytes; the host sealed it against shrinking) and, on a GPU, pin it
-        for the device-to-host copies."""
-        import torch
-        self.shm = mmap.mmap(fd, n)
-        if device == "cuda":  # a failed registration only makes the copies slower
-            torch.cuda.cudart().cudaHostRegister(_T["frombuffer"](self.shm, dtype=torch.uint8).data_ptr(), n, 0)
-
-    def _placer(self, slot: int):
-        """`encode`'s `place` for half `slot` of the shared buffer: 64-byte aligned offsets, in order."""
-        import torch
-        half = len(self.shm) // 2
-        end, cursor = (slot + 1) * half, [slot * half]
-
-        def place(t) -> int | None:
-            n, at = t.numel() * t.element_size(), (cursor[0] + 63) // 64 * 64
-            if at + n > end:
-                return None
-            if n:
-                dst = _T["frombuffer"](self.shm, dtype=torch.uint8, count=n, offset=at)
-                dst.view(t.dtype).view(t.shape).copy_(t)
-            cursor[0] = at + n
-            return at
-        return place
 
     def _write(self, data):
         view = memoryview(data).cast("B")
         while view:
             view = view[os.write(self.fd, view):]
 
-    def send(self, msg: dict, slot: int | None = None):
-        """Send `msg`; with `slot` (0 or 1) its tensors go into that half of the shared buffer where they fit."""
+    def send(self, msg: dict):
         import torch
-        head, tensors = encode(msg, self._placer(slot) if slot is not None and self.shm is not None else None)
+        head, tensors = encode(msg)
         self._write(self.nonce + struct.pack(">Q", len(head)) + head)
-        for t in (t for t in tensors if t is not None):
+        for t in tensors:
             raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
             self._write(self.nonce + struct.pack(">Q", t.numel() * t.element_size()))
             self._write(raw)
@@ -167,3 +133,59 @@ class Channel:
             self._buf += chunk
         line, _, self._buf = self._buf.partition(b"\n")
         return json.loads(line)
+
+
+def send_fds(fd: int, obj: dict, fds: list[int]):
+    """`obj` (one JSON datagram) with file descriptors, over a unix socket (the host relays the driver's shared
+    buffers and the driver-child link this way: descriptors are the only handles that cross PID namespaces)."""
+    with socket.socket(fileno=os.dup(fd)) as s:
+        socket.send_fds(s, [json.dumps(obj).encode()], fds)
+
+
+def recv_fds(fd: int, max_fds: int = 16) -> tuple[dict, list[int]]:
+    with socket.socket(fileno=os.dup(fd)) as s:
+        data, fds, _, _ = socket.recv_fds(s, 1 << 16, max_fds)
+    return json.loads(data), list(fds)
+
+
+class Link:
+    """JSON lines between the driver and the computing child, over a unix stream socket the host gave both. The
+    driver reads what a candidate's process wrote: a line that is not a JSON object, or longer than MAX_LINE,
+    reads as {"error": ...}, never as an exception; `eof` tells a closed link from a timeout."""
+    MAX_LINE = 1 << 20
+
+    def __init__(self, fd: int):
+        self.sock, self._buf, self.eof = socket.socket(fileno=fd), b"", False
+
+    def send(self, obj: dict):
+        self.sock.sendall(json.dumps(obj).encode() + b"\n")
+
+    def recv(self, timeout_s: float | None = None) -> dict | None:
+        """The next message, or None at EOF or after `timeout_s`."""
+        deadline = None if timeout_s is None else _perf() + timeout_s
+        while b"\n" not in self._buf:
+            if len(self._buf) > self.MAX_LINE:
+                self._buf = b""
+                return {"error": f"a message longer than {self.MAX_LINE} bytes on the link"}
+            left = None if deadline is None else deadline - _perf()
+            if left is not None and left <= 0:
+                return None
+            if not select.select([self.sock], [], [], left)[0]:
+                return None
+            try:
+                chunk = self.sock.recv(1 << 16)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                self.eof = True
+                return None
+            self._buf += chunk
+        line, _, self._buf = self._buf.partition(b"\n")
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            msg = None
+        return msg if isinstance(msg, dict) else {"error": "a malformed message on the link"}
+
+    def close(self):
+        self.sock.close()

@@ -1,33 +1,33 @@
 """Code that runs INSIDE an isolated sandbox child (`python sandbox_worker.py JOBFILE`).
 
 The host (`sandbox.py`) never imports candidate code; it starts this file in a fresh process per job,
-inside bubblewrap (see sandbox.py's threat model). Three job kinds:
-  * `reference`: load the pristine task; compute full outputs for the trial seeds and sketches
-    (`sketch`) for the timing seeds, always in strict fp32; optionally time the eager and
-    `torch.compile` baselines in interleaved rounds.
-  * `candidate`: load the task; time its eager forward on the host's request (`eager`, before any candidate
-    code is imported); load the candidate `ModelNew` (import and `__init__` under the dispatch
-    guard with the init allow-list), then serve the host's requests ONE AT A TIME over the control
-    pipe: `trial` (fresh seeded inputs, guarded forward, outputs shipped for the host to compare),
-    `ops` (the profiler's aten list), `time` (fresh seeded inputs, guarded and timed forward, then a
-    sketch of the output on projection keys sent only after the call), `done`. The job file holds no
-    seed, count or plan; the candidate never sees a reference output.
-  * `call`: run a generic `module:function(**args)` for `sandbox.run_isolated`.
-Results go to the host as nonce-framed JSON messages (tensors as raw frames) on an inherited pipe fd, never stdout;
-the nonce arrives as the first control line, before any candidate code runs.
+inside bubblewrap (see sandbox.py's threat model). The job kinds:
+  * `driver` (sandbox_driver.py): the trusted side of checks: the pristine task, the inputs of every call,
+    the reference outputs, the clock and every comparison. It never runs candidate code.
+  * `candidate` / `baseline` (`run_compute`): a child that only computes, for one driver session. It maps the
+    driver's shared regions, and answers the driver's requests one at a time over their link: a call (forward
+    on the shared inputs, the output copied into the shared output region), "load" (import and construct
+    the candidate `ModelNew` under the dispatch guard with the init allow-list), "end". A candidate child runs
+    the task's eager forward first (the eager baseline beside it), then the candidate's; nothing it measures
+    or reports enters a verdict's correctness or time, and no reference output or seed exists in it.
+  * `reference`: validate a task (one forward), or fill inductor's caches (`warm`).
+  * `build`: import a load_inline solution once so that its extension builds; `call`: `sandbox.run_isolated`.
+Results go to the host as nonce-framed JSON messages (tensors as raw frames) on an inherited pipe fd, never
+stdout; the nonce arrives as the first control line, before any candidate code runs.
 
 It also exports the runtime helpers that a workspace's `model_new.py` uses (contract, form (b)):
     from sandbox_worker import load_kernel, ptr, stream
 
-With sandbox_measure.py (inputs, sketches, the baseline timer), sandbox_wire.py (the result channel) and
-sandbox_inline.py (form (a)'s load_inline) it is the only project code a child can see: the repository is
-hidden and these four files alone are bound in at HARNESS_DIR, so none of them imports another module of the
-project.
+With the other harness files (sandbox_child.HARNESS_FILES: the driver, the shared memory, the channel, the
+task's inputs, the comparison, form (a)'s load_inline) it is the only project code a child can see: the
+repository is hidden and these files alone are bound in at HARNESS_DIR, so none of them imports another module
+of the project.
 
 Smoke: python -m pytest tests/test_sandbox.py -q -k honest
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import json
@@ -38,11 +38,11 @@ import threading
 import time
 import traceback
 
-import sandbox_inline  # these three are bound beside this file in the child (sandbox_child.HARNESS_FILES)
-from sandbox_measure import (SKETCH_KEYS, Timer, flatten, import_file, load_task, make_inputs, nan_equal, one_line,
-                             scrub, set_precision, sketch, time_baselines)
+import sandbox_inline  # these are bound beside this file in the child (sandbox_child.HARNESS_FILES)
+from sandbox_measure import flatten, import_file, load_task, make_inputs, one_line, set_precision
 from sandbox_measure import bind_torch as bind_measure
-from sandbox_wire import Channel
+from sandbox_share import GpuOps, Region
+from sandbox_wire import Channel, Link, recv_fds
 from sandbox_wire import bind_torch as bind_wire
 
 # Bound before any candidate code is imported: a candidate that monkeypatches time.perf_counter or
@@ -57,8 +57,12 @@ _LIBS: dict[str, ctypes.CDLL] = {}
 _GUARD: list = []  # the dispatch guard's context-manager class, once loaded (_guard_cls)
 
 # aten ops a candidate's forward may call: allocation, views and metadata. Everything else is compute.
+# Constant fills are allocation (`torch::zeros` for an output that is accumulated into; the static scan's
+# profiles read them the same way, sandbox_rules.ALLOC): zeros/ones/full and their _like and new_ forms call
+# empty and fill_ / zero_ in turn.
 ALLOWED_OPS = frozenset("""
 empty empty_like empty_strided new_empty new_empty_strided empty_permuted
+zeros zeros_like ones ones_like full full_like new_zeros new_ones new_full fill fill_ zero_
 view _unsafe_view reshape _reshape_alias as_strided t transpose permute expand expand_as squeeze
 unsqueeze slice select split split_with_sizes unbind narrow chunk detach detach_ alias lift_fresh
 view_as flatten unflatten movedim diagonal unfold view_as_real view_as_complex resolve_conj resolve_neg
@@ -132,49 +136,26 @@ def _bind_helpers():
     _TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
-# ----------------------------------------------------------------------------- task / candidate loading
 # ----------------------------------------------------------------------------- job kinds
 def run_reference(job: dict, ch: Channel):
-    """Full outputs for the trial seeds, sketches for the timing seeds (strict fp32), the state_dict, and
-    optionally the baselines."""
+    """Validate the task (import, names, tensor inputs, one forward), or with `warm` fill inductor's caches."""
     import torch
-    device, t0 = job["device"], _perf()
-    phase_s = {}  # seconds of each phase, from the job's start (torch import and CUDA init come before it)
+    device = job["device"]
     try:
         task = load_task(job["task_path"])
         torch.manual_seed(job["init_seed"])
-        init = task.get_init_inputs()
-        model = task.Model(*init).to(device)
-        phase_s["model"] = _perf() - t0
+        model = task.Model(*task.get_init_inputs()).to(device)
         if job.get("warm"):
             return ch.send(_warm_compile(task, model, job))
-        sketches, kind = {}, None
         set_precision(False)
-        for seed in job["seeds"]:  # one message per seed: this process holds one output on the host at a time
-            with torch.no_grad():
-                kind, ys = flatten(model(*make_inputs(task, seed, device)))
-            ch.send({"type": "ref_out", "seed": seed, "outs": ys})
-            del ys
-        phase_s["outputs"] = _perf() - t0
-        for seed, keys in job.get("sketch_seeds", {}).items():
-            with torch.no_grad():
-                kind, ys = flatten(model(*make_inputs(task, int(seed), device)))
-            sketches[int(seed)] = sketch(ys, keys)
-        phase_s["sketches"] = _perf() - t0
+        with torch.no_grad():
+            kind, _ = flatten(model(*make_inputs(task, 0, device)))
     except (ValueError, TypeError) as e:
         return ch.send({"type": "result", "task_error": str(e)[:400]})
     except BaseException as e:  # noqa: BLE001
         return ch.send({"type": "result", "task_error": f"reference forward failed: {one_line(e)}"})
-    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    sd = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    res = {"type": "result", "sketches": sketches, "out_kind": kind, "state_dict": sd,
-           "device_name": name}
-    if job.get("baselines"):
-        ch.send({"type": "stage", "stage": "timing"})  # (timestamped by the host: where a first check's time goes)
-        res["baselines"] = time_baselines(task, model, job)
-        phase_s["baselines"] = _perf() - t0
-    res["phase_s"] = {k: round(v, 3) for k, v in phase_s.items()}
-    ch.send(res)
+    ch.send({"type": "result", "out_kind": kind,
+             "device_name": torch.cuda.get_device_name() if device == "cuda" else "cpu"})
 
 
 def _warm_compile(task, model, job: dict) -> dict:
@@ -182,7 +163,7 @@ def _warm_compile(task, model, job: dict) -> dict:
     mode, so inductor's on-disk caches hold this graph when the baselines are timed. Nothing is timed."""
     import torch
     set_precision(job["precision"] == "tf32")
-    xs = make_inputs(task, job["timing_seed"], job["device"])
+    xs = make_inputs(task, 0, job["device"])
     res = {"type": "result", "warmed": True, "compile_error": None}
     with torch.no_grad():
         model(*xs)
@@ -239,14 +220,6 @@ def _new_threads(base: set) -> set:
     return grown
 
 
-_LIBC = ctypes.CDLL(None)
-
-
-def _getcpu() -> int:
-    """The core this thread runs on now (after a timed call: which core its host part ran on)."""
-    return _LIBC.sched_getcpu()
-
-
 def _native_threads() -> set:
     try:
         return set(os.listdir("/proc/self/task"))
@@ -291,96 +264,12 @@ def _load_candidate(job: dict, task, guard_cls):
     return model.to(job["device"])
 
 
-def _forward(model, xs, guard_cls, device, clocks, timed: bool):
-    """One guarded forward: (output, (ms, launch ms) or None, violation or None). Raises on candidate
-    exceptions. The launch part is the host's time until forward returned (Python, allocation, launches), the
-    rest the wait for the device: where a launch-bound call's time goes, reported beside the time."""
-    import torch
-    perf, sync = clocks
-    scrub(device, sync)
-    py_before = set(threading.enumerate())
-    guard, ms = guard_cls(), None
-    try:
-        with torch.no_grad(), guard:
-            t0 = perf()
-            out = model(*xs)
-            t1 = perf()
-            sync()
-            ms = ((perf() - t0) * 1e3, (t1 - t0) * 1e3) if timed else None
-    except BaseException:
-        if guard.bad:
-            return None, None, f"aten op {guard.bad[0]} called inside forward (dispatch guard)"
-        raise
-    if guard.bad:  # an op the candidate caught and swallowed
-        return None, None, f"aten op {guard.bad[0]} called inside forward (dispatch guard)"
-    alive = [t for t in threading.enumerate() if t not in py_before and t.is_alive()]
-    if alive:
-        return out, ms, f"a thread started in forward is still alive after it returned ({alive[0].name})"
-    return out, ms, None
-
-
-def run_candidate(job: dict, ch: Channel):
-    import torch
-    device, res = job["device"], {"type": "result", "stage": "load"}
-    clocks = (_perf, _sync)  # local references: rebinding sandbox_worker._perf/_sync later changes nothing
-    if device == "cuda":
-        # one job per GPU: the cap turns a runaway allocation into a clean OOM error, below the driver's limit
-        torch.cuda.set_per_process_memory_fraction(job.get("gpu_mem_fraction", 0.9))
-    set_precision(job["precision"] == "tf32")
-    task = load_task(job["task_path"])
-    torch.randn(1 << 20).mul_(2).sum()  # start torch's own intra-op thread pool before the thread checks
-    guard_cls = _guard_cls()
-    snapshot = _snapshot()
-    ch.send({"type": "stage", "stage": "load"})  # torch imported, CUDA up (timestamped by the host)
-    if job.get("eager_beside"):  # before any candidate code exists in this process; the host sends the
-        ch.send(_time_eager(task, job, ch.recv_control()))  # request once the GPU is free of earlier jobs
-    if job.get("shm_bytes"):  # before any candidate code: the trial outputs' way to the host
-        ch.map_shm(job["shm_fd"], job["shm_bytes"], device)
-    if job.get("ext_dir"):  # form (a): load_inline imports what the build child built (a private copy)
-        sandbox_inline.install(job["ext_dir"])
-    try:
-        model = _load_candidate(job, task, guard_cls)
-    except PermissionError as e:
-        res["violation"] = str(e)
-        return ch.send(res)
-    except BaseException as e:  # noqa: BLE001 - SystemExit from candidate code included
-        res["error"] = f"loading the candidate failed: {one_line(e)}"
-        return ch.send(res)
-    _restore(snapshot)  # undo monkeypatches of this module made by the candidate's import
-    res["violation"] = _inherits_reference(type(model), task)
-    if res["violation"]:
-        return ch.send(res)
-    res["stage"] = "verify"
-    ch.send({"type": "stage", "stage": "verify"})  # the host answers with the first request
-    res.update(_serve(model, task, guard_cls, job, ch, clocks, snapshot))
-    ch.send(res)
-
-
-def _time_eager(task, job: dict, spec: dict) -> dict:
-    """The task's eager rounds, timed in the candidate's own child before the candidate is imported: the
-    candidate's speedup over eager compares two measurements of one process a fraction of a second apart.
-    A baseline timed once per task in another process would be compared with candidates timed in other
-    phases of the host's speed, which drifts by up to ~1.8x over seconds on some machines (docs/RESULTS.md).
-    `spec`, the host's request, holds the timing seed (unrelated to any checked seed), warm-up and iterations."""
-    import torch
-    try:
-        torch.manual_seed(job["init_seed"])  # the reference child's weights: same seed, same code
-        model = task.Model(*task.get_init_inputs()).to(job["device"])
-        res = time_baselines(task, model, {**spec, "device": job["device"], "precision": job["precision"]},
-                             with_compile=False)
-    except BaseException as e:  # noqa: BLE001 - the host falls back to the cached eager baseline
-        return {"type": "eager", "error": one_line(e)}
-    del model
-    if job["device"] == "cuda":
-        torch.cuda.empty_cache()  # the candidate gets the memory the reference model held
-    return {"type": "eager", "eager": res["eager"], "eager_launch": res.get("eager_launch", []),
-            "eager_cv": res["eager_cv"]}
-
-
 def _snapshot() -> tuple:
-    """The harness modules' globals and their classes' attributes, to undo Python-level patches by the candidate."""
-    mods = [sys.modules[n] for n in (__name__, Timer.__module__, Channel.__module__)]
-    return {m: dict(vars(m)) for m in mods}, {c: dict(vars(c)) for c in (Timer, Channel)}
+    """The harness modules' globals and their classes' attributes, to undo Python-level patches by the candidate.
+    A convenience for honest code that patches by accident: nothing the verdict rests on is in this process."""
+    classes = (Channel, Link, Region, GpuOps, _Shared)
+    mods = [sys.modules[c.__module__] for c in classes] + [sys.modules["sandbox_measure"]]
+    return {m: dict(vars(m)) for m in dict.fromkeys(mods)}, {c: dict(vars(c)) for c in classes}
 
 
 def _restore(snap: tuple):
@@ -393,76 +282,149 @@ def _restore(snap: tuple):
                 setattr(cls, k, v)
 
 
-def _serve(model, task, guard_cls, job, ch, clocks, snapshot) -> dict:
-    """Answer the host's requests one at a time until `done`; returns the result fields.
+class _Shared:
+    """The driver's regions as this child sees them: the inputs of every call (the same tensors each call),
+    the output tensors it copies its result into, and on a GPU the go/done flags."""
 
-    Each request carries the one seed it needs; the worker sends exactly one reply per request (a `time`
-    request two: the time, then the sketch once the host has sent the keys) and the host sends the next
-    request only after that reply, so no future seed is ever in this process. After a timed call the
-    keys and the next request come in one line (one pipe round trip per timed call, not two): the next
-    seed arrives only once the call it follows has returned."""
+    def __init__(self, device: str, attach: dict, fds: list):
+        self.ops = GpuOps() if device == "cuda" else None
+        regions = [Region(device, size, fd, self.ops) for size, fd in zip(attach["sizes"], fds)]
+        self.xs, self.outs, self.specs = regions[0].views(attach["in"]), regions[1].views(attach["out"]), attach["out"]
+        self.flags = regions[2].ptr if self.ops else None
+
+
+def _compute(fn, sh: _Shared, req: dict, device: str, guard_cls) -> dict:
+    """One call: (on a GPU, once the driver's go flag is up) forward on the shared inputs, the output copied into
+    the shared output, (GPU: the done flag written behind it on the same stream, then a sync). The reply to the
+    driver; a candidate's forward runs under the dispatch guard (and, for "ops", the profiler)."""
     import torch
-    device, threads0, last_xs, trials = job["device"], None, None, 0
-    req = ch.recv_control()
-    while req["op"] != "done":
-        t_req = clocks[0]()  # the child's span of this request, cross-checked against the host's wall clock
-        xs = make_inputs(task, int(req["seed"]), device) if req["op"] in ("trial", "time") else last_xs
-        if req["op"] == "ops":  # layer 2: the profiler's record of aten ops, without the dispatch guard
-            grown = _new_threads(threads0) if threads0 is not None else set()
-            if grown:
-                return {"violation": f"forward left {len(grown)} new native thread(s) running"}
-            try:
-                with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
-                    model(*xs)
-                    clocks[1]()  # work left on a side stream ends here, not inside the next call's inputs
-                names = {e.name for e in p.events()}
-            except BaseException as e:  # noqa: BLE001
-                return {"error": f"forward raised under the profiler: {one_line(e)}"}
-            ops = sorted(n for n in names if n.startswith("aten::"))  # the host re-checks these
-            bad = [n for n in ops if n[6:] not in ALLOWED_OPS]
-            if bad:
-                return {"violation": f"aten op {bad[0]} seen by the profiler inside forward", "profiler_ops": ops}
-            threads0 = _native_threads()  # the profiler starts a thread of its own
-            ch.send({"type": "ops", "ops": ops})
-            req = ch.recv_control()
+    k = req["k"]
+    stream = torch.cuda.current_stream().cuda_stream if sh.ops else None
+    if sh.ops:
+        sh.ops.wait_flag(stream, sh.flags, k)
+    guard = guard_cls() if guard_cls else contextlib.nullcontext()
+    py_before, prof = set(threading.enumerate()), None
+    try:
+        with torch.no_grad(), guard:
+            if req["op"] == "ops":  # layer 2: the profiler's record of aten ops (outside the guard's view)
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                    out = fn(*sh.xs)
+                    _sync()
+            else:
+                out = fn(*sh.xs)
+    except BaseException as e:  # noqa: BLE001
+        if getattr(guard, "bad", None):
+            return {"violation": f"aten op {guard.bad[0]} called inside forward (dispatch guard)"}
+        return {"error": f"forward raised: {one_line(e)}"}
+    if getattr(guard, "bad", None):  # an op the candidate caught and swallowed
+        return {"violation": f"aten op {guard.bad[0]} called inside forward (dispatch guard)"}
+    try:
+        kind, ys = flatten(out)
+    except TypeError as e:
+        return {"error": str(e)}
+    if len(ys) != len(sh.specs):
+        return {"error": f"returned {len(ys)} tensors, expected {len(sh.specs)}"}
+    for i, (y, (dt, shape)) in enumerate(zip(ys, sh.specs)):
+        where = f"output {i}: " if len(ys) > 1 else ""
+        if y.device.type != device:
+            return {"error": f"{where}on {y.device.type}, expected {device}"}
+        if str(y.dtype)[6:] != dt:
+            return {"error": f"{where}dtype {str(y.dtype)[6:]}, expected {dt}"}
+        if list(y.shape) != shape:
+            return {"error": f"{where}shape {tuple(y.shape)}, expected {tuple(shape)}"}
+    for dst, y in zip(sh.outs, ys):
+        dst.copy_(y)
+    if sh.ops:
+        sh.ops.write_flag(stream, sh.flags + 4, k)
+    _sync()
+    reply = {"k": k, "kind": kind}
+    if prof is not None:
+        ops = sorted({e.name for e in prof.events() if e.name.startswith("aten::")})
+        bad = [n for n in ops if n[6:] not in ALLOWED_OPS]
+        if bad:
+            return {"violation": f"aten op {bad[0]} seen by the profiler inside forward", "ops": ops}
+        reply["ops"] = ops
+    if guard_cls:
+        alive = [t for t in threading.enumerate() if t not in py_before and t.is_alive()]
+        if alive:
+            return {"violation": f"a thread started in forward is still alive after it returned ({alive[0].name})"}
+    return reply
+
+
+def run_compute(job: dict, ch: Channel):
+    """A child that computes and nothing else (role "candidate": the task's eager forward, then the candidate's;
+    role "baseline": eager and torch.compile). Inputs, outputs, the clock and every comparison are the driver's."""
+    import torch
+    device, cand = job["device"], job["role"] == "candidate"
+    if device == "cuda" and cand:
+        # one job per GPU: the cap turns a runaway allocation into a clean OOM error, below the driver's limit
+        torch.cuda.set_per_process_memory_fraction(job.get("gpu_mem_fraction", 0.8))
+    set_precision(job["precision"] == "tf32")
+    task = load_task(job["task_path"])
+    torch.randn(1 << 20).mul_(2).sum()  # start torch's own intra-op thread pool before the thread checks
+    guard_cls = _guard_cls() if cand else None
+    snapshot = _snapshot()
+    ch.send({"type": "stage", "stage": "load"})  # torch imported, CUDA up (timestamped by the host)
+    attach = ch.recv_control()["attach"]
+    _, fds = recv_fds(job["fd_sock"])
+    link, res = Link(fds[0]), {"type": "result", "stage": "load"}
+    try:
+        sh = _Shared(device, attach, fds[1:])
+        torch.manual_seed(job["init_seed"])  # the driver's weights: same seed, same code
+        fns = {"eager": task.Model(*task.get_init_inputs()).to(device)}
+        if not cand:
+            fns["compile"] = torch.compile(fns["eager"])
+    except BaseException as e:  # noqa: BLE001
+        link.send({"error": f"attaching to the shared buffers failed: {one_line(e)}"})
+        return ch.send({**res, "error": f"attaching to the shared buffers failed: {one_line(e)}"})
+    link.send({"attached": True})
+    threads0 = None
+    while True:
+        req = link.recv()
+        if req is None or req.get("op") == "end":
+            break
+        if req["op"] == "load":
+            reply = _load(job, task, guard_cls, snapshot, fns)
+            link.send(reply)
+            if not reply.get("loaded"):
+                res.update({k: reply[k] for k in ("error", "violation") if k in reply})
+                break
+            res["stage"] = "verify"
             continue
-        copies = [x.clone() for x in xs] if req["op"] == "trial" else None
-        try:
-            out, ms, viol = _forward(model, xs, guard_cls, device, clocks, timed=req["op"] == "time")
-        except BaseException as e:  # noqa: BLE001
-            return {"error": f"forward raised on a {'timed call' if req['op'] == 'time' else 'trial'}: {one_line(e)}"}
-        if viol:
-            return {"violation": viol}
-        try:
-            kind, ys = flatten(out)
-        except TypeError as e:
-            return {"error": str(e)}
-        if threads0 is None:  # the first call: the output must not change after forward returned
-            snap = [y.clone() for y in ys]
-            _sleep(0.05)
-            clocks[1]()
-            if not all(nan_equal(a, b) for a, b in zip(snap, ys)):
-                return {"violation": "the output changed after forward returned (background writer)"}
-            threads0 = _native_threads()
-        if copies is not None:
-            if not all(nan_equal(x, c) for x, c in zip(xs, copies)):
-                return {"violation": "forward modified its inputs"}
-            ch.send({"type": "trial", "kind": kind, "outs": ys, "devices": [y.device.type for y in ys]},
-                    slot=trials % 2)  # the host compares this half while the next trial fills the other
-            trials += 1
-            last_xs = xs
-        else:
-            ch.send({"type": "iter", "ms": ms[0], "launch_ms": ms[1], "kind": kind, "cpu": _getcpu(),
-                     "span_ms": (clocks[0]() - t_req) * 1e3})
-            reply = ch.recv_control(spin_s=0.01)  # keys drawn by the host after the call, and the next request
-            ch.send({"type": "sketch", "sketch": sketch(ys, reply["keys"])})
-        del out, ys
+        reply = _compute(fns[req["fn"]], sh, req, device, guard_cls if req["fn"] == "cand" else None)
         _restore(snapshot)  # ... and patches made by its forward
-        req = reply["next"] if req["op"] == "time" else ch.recv_control()
+        if req["fn"] == "cand" and (threads0 is None or req["op"] == "ops"):  # the profiler starts a thread of its own
+            threads0 = _native_threads()
+        link.send(reply)
+        if reply.get("error") or reply.get("violation"):
+            res.update({k: reply[k] for k in ("error", "violation") if k in reply})
+            break
     grown = _new_threads(threads0) if threads0 is not None else set()
-    if grown:
-        return {"violation": f"forward left {len(grown)} new native thread(s) running"}
-    return {"stage": "done"}
+    if grown and not res.get("error"):
+        res["violation"] = f"forward left {len(grown)} new native thread(s) running"
+    ch.send(res)
+
+
+def _load(job: dict, task, guard_cls, snapshot, fns: dict) -> dict:
+    """Import and construct the candidate (after the eager rounds: nothing of it existed while they ran)."""
+    import torch
+    if job.get("ext_dir"):  # form (a): load_inline imports what the build child built (a private copy)
+        sandbox_inline.install(job["ext_dir"])
+    try:
+        model = _load_candidate(job, task, guard_cls)
+    except PermissionError as e:
+        return {"violation": str(e)}
+    except BaseException as e:  # noqa: BLE001 - SystemExit from candidate code included
+        return {"error": f"loading the candidate failed: {one_line(e)}"}
+    _restore(snapshot)  # undo monkeypatches of the harness made by the candidate's import
+    bad = _inherits_reference(type(model), task)
+    if bad:
+        return {"violation": bad}
+    del fns["eager"]
+    if job["device"] == "cuda":
+        torch.cuda.empty_cache()  # the candidate gets the memory the eager model held
+    fns["cand"] = model
+    return {"loaded": True}
 
 
 def run_build(job: dict, ch: Channel):
@@ -498,9 +460,10 @@ def run_call(job: dict, ch: Channel):
 
 def _warm_up(device: str, warm_for: str, ch: Channel):
     """A warm child's start-up, before its job exists: torch and CUDA up and, in a candidate spare, each of the
-    harness's own checks (dispatch guard, profiler, sketch) run once on a throwaway tensor, so the first
-    candidate call pays none of their one-time costs; a reference spare instead imports torch.compile's
-    machinery (dynamo, inductor); a build spare only torch's extension builder (no CUDA context). A stage
+    harness's own checks (dispatch guard, profiler) run once on a throwaway tensor, so the first candidate
+    call pays none of their one-time costs; a reference (baseline) spare instead imports torch.compile's
+    machinery (dynamo, inductor), a driver spare the driver and the driver API; a build spare only torch's
+    extension builder (no CUDA context). A stage
     message after each step shows where a spare's start-up goes (scripts/bench_child_start.py)."""
     import torch
     if warm_for == "build":  # a load_inline build child needs torch's extension builder, not the device
@@ -512,6 +475,10 @@ def _warm_up(device: str, warm_for: str, ch: Channel):
         import torch._dynamo  # noqa: F401
         import torch._inductor.compile_fx  # noqa: F401
         ch.send({"type": "stage", "stage": "inductor"})
+    elif warm_for == "driver":
+        import sandbox_driver  # noqa: F401 - imported before the job, like a reference spare's inductor
+        if device == "cuda":
+            GpuOps()
     else:
         with torch.no_grad(), _guard_cls()():
             torch.empty_like(x)
@@ -519,8 +486,6 @@ def _warm_up(device: str, warm_for: str, ch: Channel):
         with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
             torch.relu(x)
         ch.send({"type": "stage", "stage": "profiler"})
-    sketch([x], [1] * SKETCH_KEYS)
-    ch.send({"type": "stage", "stage": "sketch"})
     torch.randn(1 << 20).mul_(2).sum()  # torch's intra-op thread pool, started before any thread check
     _sync()
     ch.send({"type": "stage", "stage": "warm"})
@@ -534,7 +499,7 @@ def main(jobfile: str) -> int:
     ch.nonce = bytes.fromhex(ch.recv_control()["nonce"])  # first control line; never in a file
     ch.send({"type": "stage", "stage": "started"})  # before any task or candidate code: the host can tell a
     # child that never started (its own failure) from a candidate that crashed (a verdict)
-    if job["kind"] in ("reference", "candidate", "warm") or job.get("device") == "cuda":
+    if job["kind"] in ("reference", "candidate", "baseline", "driver", "warm") or job.get("device") == "cuda":
         _bind_torch(job.get("device", "cpu"))  # before any candidate code runs (patched timers)
     if job["kind"] == "warm":  # a spare: everything that needs no job, then wait for the one job it serves
         ch.send({"type": "stage", "stage": "torch"})
@@ -544,8 +509,18 @@ def main(jobfile: str) -> int:
     gc.collect()
     gc.freeze()
     if job["kind"] == "warm":
-        job = {**ch.recv_control()["job"], **{k: job[k] for k in ("result_fd", "control_fd", "shm_fd")}}
-    {"reference": run_reference, "candidate": run_candidate, "build": run_build, "call": run_call}[job["kind"]](job, ch)
+        job = {**ch.recv_control()["job"], **{k: job[k] for k in ("result_fd", "control_fd", "fd_sock")}}
+    if job["kind"] == "driver":
+        from sandbox_driver import run_driver
+        return _exit(run_driver(job, ch))
+    if job["kind"] in ("candidate", "baseline"):
+        job = {**job, "role": job["kind"]}
+    run = {"reference": run_reference, "candidate": run_compute, "baseline": run_compute, "build": run_build,
+           "call": run_call}[job["kind"]]
+    _exit(run(job, ch))
+
+
+def _exit(_=None):
     sys.stdout.flush()
     os._exit(0)  # skip interpreter teardown (candidate atexit hooks, CUDA teardown races)
 

@@ -231,18 +231,15 @@ def main() -> int:
                    help="b: the workspace (kernels/*.cu through ctypes); a: one file with load_inline (see above)")
     p.add_argument("--eager-beside", action=argparse.BooleanOptionalAction, default=True,
                    help="SandboxConfig.eager_beside: eager timed in each candidate's child (off: the cached baseline)")
-    p.add_argument("--compare-on", default="auto", choices=["auto", "cpu"], help="SandboxConfig.compare_on")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_sandbox.json"))
     args = p.parse_args()
     rows, cols = (4096, 4096) if args.device == "cuda" else (512, 1024)
     res = {"device": args.device, "isolation": sandbox.isolation(), "shape": [rows, cols], "kernel": args.kernel,
            "warm_spares": args.warm_spares, "form": args.form}
     assert args.kernel == "relu" or args.device == "cuda", f"--kernel {args.kernel} needs --device cuda"
-    res["compare_on"] = args.compare_on
     with tempfile.TemporaryDirectory() as root:
         cfg = sandbox.SandboxConfig(device=args.device, cache_dir=os.path.join(root, "cache"), iters=args.iters,
-                                    warmup=10, warm_spares=args.warm_spares, compare_on=args.compare_on,
-                                    eager_beside=args.eager_beside)
+                                    warmup=10, warm_spares=args.warm_spares, eager_beside=args.eager_beside)
         ws = make_ws(root, args.device, args.kernel)
         sol = ws if args.form == "b" else inline_solution(args.device)  # what every check below checks
         # (1) rebuild after a one-kernel edit vs load_inline
@@ -285,10 +282,10 @@ def main() -> int:
         res["reference_s_median"] = statistics.median(v.timings.get("reference_s", 0) for v in verdicts)
         res["candidate_s_median"] = statistics.median(v.timings.get("candidate_s", 0) for v in verdicts)
         res["candidate_phases"] = [v.timings.get("candidate_phases") for v in verdicts]
-        # the trials of a check: the child's part (inputs, forward, copy to host, pipe) and the host's compare
-        res["trials_child_s_median"] = statistics.median(sum(t.get("child_s", 0) for t in v.trials) for v in verdicts)
-        res["trials_compare_s_median"] = statistics.median(sum(t.get("compare_s", 0) for t in v.trials)
-                                                           for v in verdicts)
+        # the driver's preparation of each timed call (inputs in place, output poisoned, L2 reset and flushed), and
+        # how many calls had GPU work of the child's charged to them (prep over its calibrated time)
+        res["prep_ms_median"] = statistics.median(v.timings.get("prep_ms_median") or 0.0 for v in verdicts)
+        res["prep_excess_calls"] = [v.timings.get("prep_excess_calls") for v in verdicts]
         print(f"checks/min {res['checks_per_min']:.1f}; per check: reference {res['reference_s_median']:.2f} s, "
               f"candidate child {res['candidate_s_median']:.2f} s; its phases (s from start): "
               f"{res['candidate_phases'][-1]}", flush=True)
@@ -316,11 +313,8 @@ def main() -> int:
         res["ratio_per_check"] = [v.candidate_ms / v.eager_ms for v in verdicts[: args.repeats]]
         res["ratio_median"] = statistics.median(res["ratio_per_check"])
         res["eager_cached_ms"] = first.timings.get("eager_cached_ms")
-        # the host's part of a timed call (until forward returned; the rest is the wait for the device)
-        res["cand_launch_ms"] = [v.timings.get("cand_launch_ms") for v in verdicts[: args.repeats]]
-        res["eager_launch_ms"] = first.timings.get("eager_launch_ms")
-        # every check of the timed series: its time, its forward's host part, and the children starting beside it
-        keys = ("spares_starting", "cand_launch_ms", "eager_launch_ms", "warm_child", "cand_cpus")
+        # every check of the timed series: its time and the driver's view of its calls
+        keys = ("warm_child", "prep_ms_median", "prep_excess_calls", "prep_excess_ms_max", "driver_uses")
         res["per_check"] = [{k: v.timings.get(k) for k in keys} | {"ms": v.candidate_ms, "eager_ms": v.eager_ms}
                             for v in verdicts]
     li = res["load_inline_s"]
@@ -345,8 +339,8 @@ def main() -> int:
     if cands_r:
         print(f"| candidate ms, median over checks of the median of all timed calls (the former statistic) | "
               f"{statistics.median(cands_r):.4f} |")
-    print(f"| a check's {len(verdicts[0].trials)} trials, median: waiting for the child / comparing "
-          f"(on {args.compare_on}) | {res['trials_child_s_median']:.2f} s / {res['trials_compare_s_median']:.2f} s |")
+    print(f"| driver's preparation of a timed call, median ms / calls charged an excess, per check | "
+          f"{res['prep_ms_median']:.4f} / {res['prep_excess_calls']} |")
     print(f"| candidate ms median over checks | {statistics.median(cands):.4f} |")
     print(f"| CV of candidate_ms across {len(cands)} checks | {res['cv_across_checks']:.3f} |")
     print(f"| CV within a check ({args.iters} iters, median) | {res['cv_within_check_median']:.3f} |")

@@ -5,6 +5,7 @@ every summary number can be checked against arithmetic done by hand. The end-to-
 sandbox is in tests/test_kernelbench_eval_e2e.py.
 """
 import concurrent.futures as cf
+import dataclasses
 import json
 import math
 import os
@@ -380,3 +381,40 @@ def test_baseline_bench_ratios_and_outliers(tmp_path):
     assert "without cuDNN TF32" in rows[5]["outliers"][0]
     md = bb.markdown(rows_for(["fp32", "tf32"]), ["fp32", "tf32"], "FakeGPU")
     assert "| L1 54 conv3d | tf32 |" in md and "Geomean ratio" in md
+
+
+def test_rules_follow_the_mode_and_every_record_names_them(tmp_path, monkeypatch):
+    """Samples are judged by KernelBench's rules unless --sandbox.rules says otherwise, agent mode by the paper's;
+    the profile reaches the pool's config, each record and candidate line, the summary and the run's key."""
+    tyro = pytest.importorskip("tyro")
+    auto = tyro.cli(kb.EvalConfig, args=["--samples-dir", "s"]).sandbox
+    assert auto.rules == "auto" and tyro.cli(kb.EvalConfig, args=["--sandbox.rules", "cuda-agent"]).sandbox.rules == \
+        "cuda-agent"
+    script = tmp_path / "script.json"
+    script.write_text("[]")
+    auto = sandbox.SandboxConfig(device="cpu", rules="auto")
+    agent = kb.prepare(kb.EvalConfig(kernelbench_dir=FIX, sandbox=auto, policy=PolicyConfig(script=str(script))))
+    assert agent.sandbox.rules == "cuda-agent"
+    with pytest.raises(env.UsageError, match="--sandbox.rules 'strict'"):
+        kb.prepare(kb.EvalConfig(kernelbench_dir=FIX, sandbox=sandbox.SandboxConfig(device="cpu", rules="strict"),
+                                 samples_dir=str(tmp_path)))
+
+    class RulesPool(FakePool):  # a verdict says the profile it was judged by, as sandbox.check's do
+        def submit(self, task, solution, cfg=None):
+            f = super().submit(task, solution, cfg)
+            f.result()["timings"] = {"rules": cfg.rules}
+            return f
+    monkeypatch.setattr(kb, "make_pool", lambda cfg, scfg: RulesPool(FIXED))
+    cfg = kb.EvalConfig(kernelbench_dir=FIX, level=[1, 2], sandbox=auto, out=str(tmp_path / "o"),
+                        samples_dir=samples_dir(tmp_path, FIXED))
+    assert kb.main(cfg) == 0
+    recs = kb.read_results(str(tmp_path / "o" / "results.jsonl"))
+    assert {r["rules"] for r in recs.values()} == {"kernelbench"}
+    assert {c["rules"] for r in recs.values() for c in r["candidates"]} == {"kernelbench"}
+    s = json.load(open(tmp_path / "o" / "summary.json"))
+    assert s["rules"] == "kernelbench" and {m["rules"] for m in s["per_level"]} == {"kernelbench"}
+    assert json.load(open(tmp_path / "o" / "config.json"))["run"]["rules"] == "kernelbench"
+    assert "Rules: `kernelbench`" in open(tmp_path / "o" / "report.md").read()
+    # the same results judged by the other profile are another run: never mixed on resume
+    other = dataclasses.replace(cfg, sandbox=dataclasses.replace(auto, rules="cuda-agent"))
+    assert kb.main(other) == 2

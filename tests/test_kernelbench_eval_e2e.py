@@ -3,7 +3,9 @@
 The fixture tree (tests/fixtures/kernelbench) holds five tiny problems in KernelBench's layout, written for
 these tests; its samples/ folder mixes honest single-file solutions (C++ kernels built with g++ at import and
 called through ctypes) with hacked ones: a torch fallback, wrong math, a cached output, and a constant output
-on a degenerate problem (correct, so it must be flagged).
+on a degenerate problem (correct, so it must be flagged). samples_rules/ holds two samples for the rule profiles:
+one honest the way published KernelBench samples are (output from zeros_like, an unused get_inputs with
+torch.randn), one that computes with torch in a helper its forward calls.
 """
 import json
 import os
@@ -13,6 +15,7 @@ import pytest
 import env
 import kernelbench_eval as kb
 import sandbox
+import sandbox_rules
 from policy import PolicyConfig
 
 FIX = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "kernelbench")
@@ -62,6 +65,25 @@ def test_profiled_problem_real_sandbox(tmp_path):
     s = json.load(open(tmp_path / "out" / "summary.json"))
     assert s["geomean_compile"] == pytest.approx(r["speedup_compile"])
     assert s["faster_compile"] == (1.0 if r["speedup_compile"] > 1 else 0.0)
+
+
+def test_samples_are_judged_by_kernelbench_rules(tmp_path):
+    """Samples mode's default profile is KernelBench's: an honest sample passes although it allocates its output
+    with zeros_like, casts without converting, and carries a get_inputs with torch.randn and a torch helper it
+    never calls; torch compute in a helper that forward calls is refused. Every record names the profile."""
+    rules_dir = os.path.join(FIX, "samples_rules")
+    sb = sandbox.SandboxConfig(device="cpu", cache_dir=str(tmp_path / "cache"), mem_limit_mb=65536, profile=False,
+                               n_trials=2, rules="auto")
+    assert kb.main(cfg_for(tmp_path, level=[1], problems=[1], samples_dir=rules_dir, sandbox=sb)) == 0
+    r = kb.read_results(str(tmp_path / "out" / "results.jsonl"))[(1, 1)]
+    why = {os.path.basename(c["source"]): (c["why"] or "", c["rules"]) for c in r["candidates"]}
+    assert r["correct"] and r["source"].endswith("sample_0_kernel.py") and r["rules"] == "kernelbench", why
+    assert why["level_1_problem_1_sample_1_kernel.py"] == (
+        "static scan: torch compute torch.clamp in _finish (line 32)", "kernelbench")
+    assert json.load(open(tmp_path / "out" / "summary.json"))["rules"] == "kernelbench"
+    # the paper's profile reads the honest sample's no-op cast as compute: the profile decides that verdict
+    honest = open(os.path.join(rules_dir, "level_1_problem_1_sample_0_kernel.py")).read()
+    assert ".float()" in sandbox_rules.static_scan(honest, (), "cuda-agent")
 
 
 @pytest.mark.slow

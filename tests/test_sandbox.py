@@ -349,9 +349,8 @@ def test_native_thread_writes_after_return(cfg, tmp_path):
                 for (long i = 0; i < n; ++i) y[i] = x[i] > 0.f ? x[i] : 0.f;
             }).detach();
         }"""))
-    v = run(str(ws), cfg)
-    assert v.compiled and v.violation and ("changed after forward" in v.violation or "thread" in v.violation), \
-        v.to_dict()
+    v = run(str(ws), cfg)  # its output was copied out when forward returned, before the thread wrote it
+    assert v.compiled and not v.correct and reward_of(v) == -1, v.to_dict()
 
 
 # ----------------------------------------------------------------------------- timer
@@ -366,14 +365,16 @@ def test_patched_time_module_changes_nothing(pcfg):
 
 
 def test_patched_worker_module_changes_nothing(pcfg):
+    """The harness in the candidate's process measures nothing: patching its clock, its sync and its channel
+    leaves the driver's clock (in another process) as it was."""
     head = ("import sandbox_worker\nsandbox_worker._perf = lambda: 0.0\nsandbox_worker._sync = lambda: None\n"
-            "import sandbox_measure\nsandbox_measure._perf = lambda: 0.0\nsandbox_measure._sync = lambda: None\n"
-            "sandbox_measure.Timer.run = lambda self, fn, *a, **k: ([1e-6], fn(*self.inputs))\n")
+            "import sandbox_wire\n_send = sandbox_wire.Link.send\n"
+            "sandbox_wire.Link.send = lambda self, o: _send(self, {**o, 'ms': 1e-6, 'error': None})\n")
     v = run(sol(SLOW, head=head), dynamic_only(pcfg))
     assert v.correct and v.violation is None and v.candidate_ms >= 9.0, v.to_dict()
 
 
-# ctypes overwrites the harness's captured clock in place: only the host's own wall clock can see that
+# ctypes overwrites the harness's captured clock in place, wherever it finds it in the process
 CLOCK_SWAP = """
 import gc
 _fake = lambda: 0.0
@@ -381,24 +382,25 @@ for o in gc.get_objects():
     if type(o) is tuple and len(o) == 2 and o[0] is time.perf_counter:
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(_fake))
         ctypes.c_void_p.from_address(id(o) + 24).value = id(_fake)
+time.perf_counter = _fake
 """
 
 
-def test_clock_overwritten_in_memory_caught_by_host_wall_clock(pcfg):
+def test_a_clock_overwritten_in_memory_changes_nothing(pcfg):
     honest = run(sol(SLOW), dynamic_only(pcfg))
     assert honest.correct and honest.violation is None, honest.to_dict()
     v = run(sol(SLOW, head=CLOCK_SWAP), dynamic_only(pcfg))
-    assert v.violation and "timer mismatch" in v.violation, v.to_dict()
+    assert v.correct and v.candidate_ms >= 9.0, v.to_dict()  # the driver's clock, in its own process
 
 
 def test_candidate_time_is_the_baselines_statistic():
     """The candidate's time is the minimum of its round medians, as the eager baseline's is: two slow rounds and
     one fast give the fast round's median (the median over all calls would give the slow one)."""
     ms = [1.0] * 34 + [1.1] * 33 + [0.5] * 33
-    calls = [{"ms": m, "span_ms": m, "host_ms": m} for m in [2.0] * 3 + ms]  # 3 warm-ups, not counted
+    calls = [{"phase": "time", "ms": m} for m in [2.0] * 3 + ms]  # 3 warm-ups, not counted
     base = {"eager_ms": 0.4, "compile_ms": 0.8, "runs": 2, "eager_rounds": [0.4, 0.45, 0.5]}
     v = sandbox.Verdict(correct=True)
-    sandbox_rules.timing({"calls": calls}, base, v, SandboxConfig(warmup=3, iters=100), retime=None)
+    sandbox_rules.timing(calls, {}, base, v, SandboxConfig(warmup=3, iters=100), retime=None)
     assert v.timings["cand_rounds"] == [1.0, 1.1, 0.5] and v.timings["cand_median_all"] == 1.0
     assert v.candidate_ms == 0.5 and v.speedup_eager == pytest.approx(0.8) and v.speedup_compile == pytest.approx(1.6)
 
@@ -427,15 +429,15 @@ def test_eager_is_timed_in_the_candidates_child(pcfg, tmp_path):
 def test_eager_beside_a_baseline_retimed_only_for_the_compile_tier():
     """With eager timed beside the candidate, the cached baseline a tier rests on is compile's: it is re-timed
     (once, when measured in a single run) only if the candidate beats it."""
-    calls = [{"ms": 0.5, "span_ms": 0.5, "host_ms": 0.5} for _ in range(13)]
-    seen = {"calls": calls, "eager": {"eager": [0.9, 0.8, 1.0], "eager_launch": [0.1], "eager_cv": 0.01}}
+    calls = [{"phase": "time", "ms": 0.5} for _ in range(13)]
+    end = {"eager": [0.9, 0.8, 1.0]}  # eager's round medians, timed by the driver in the candidate's child
     base = {"eager_ms": 0.4, "compile_ms": 0.6, "runs": 1, "eager_rounds": [0.4] * 3}
     retimed = {**base, "runs": 2}
     v = sandbox.Verdict(correct=True)
-    sandbox_rules.timing(seen, base, v, SandboxConfig(warmup=3, iters=10), retime=lambda: retimed)
+    sandbox_rules.timing(calls, end, base, v, SandboxConfig(warmup=3, iters=10), retime=lambda: retimed)
     assert v.eager_ms == 0.8 and v.speedup_eager == pytest.approx(1.6) and v.timings.get("baseline_retimed")
     v = sandbox.Verdict(correct=True)
-    sandbox_rules.timing(seen, {**base, "compile_ms": 0.3}, v, SandboxConfig(warmup=3, iters=10), retime=None)
+    sandbox_rules.timing(calls, end, {**base, "compile_ms": 0.3}, v, SandboxConfig(warmup=3, iters=10), retime=None)
     assert v.eager_ms == 0.8 and not v.timings.get("baseline_retimed")  # neither tier rests on compile's 0.3
 
 

@@ -181,20 +181,21 @@ def test_honest_init_building_layers_passes(cfg):
 
 
 # ----------------------------------------------------------------------------- C. the host's memory
-def test_an_oversized_output_is_refused_at_the_frame(cfg):
-    """The reference output is 64 KB; a 400 MB reply is refused from its header, before the host reads it."""
+def test_an_oversized_output_never_reaches_the_host(cfg):
+    """The reference output is 1 MB; a 400 MB output is refused by its shape in the child, and outputs never
+    travel as messages: the driver reads the shared output region, sized by the reference."""
     v = check(RELU_TASK, sol("y = torch.from_numpy(np.zeros(100_000_000, np.float32))"), cfg)
-    assert not v.correct and "limit" in (v.error or ""), v.to_dict()
+    assert not v.correct and "shape" in (v.error or ""), v.to_dict()
 
 
 def test_a_shrunk_shared_buffer_cannot_fault_the_host(cfg):
-    """Trial outputs travel in a memfd the host maps. A child that shrank it would make the host's reads
-    fault (SIGBUS, the trainer dead); the host seals it against shrinking before the child exists."""
+    """Inputs and outputs live in memfds the driver maps. A child that shrank one would make the driver's reads
+    fault (SIGBUS); the driver seals them against shrinking and growing before the child exists."""
     v = check(RELU_TASK, sol("""
         shrunk = []
         for f in os.listdir('/proc/self/fd'):
             try:
-                if 'cuda_agent_out' in os.readlink('/proc/self/fd/' + f):
+                if 'cuda_agent_share' in os.readlink('/proc/self/fd/' + f):
                     os.ftruncate(int(f), 0)
                     shrunk.append(f)
             except OSError:
@@ -203,27 +204,30 @@ def test_a_shrunk_shared_buffer_cannot_fault_the_host(cfg):
     assert v.correct, v.to_dict()
 
 
-def test_a_tensor_outside_the_shared_buffer_is_refused():
-    """The host reads a trial's tensors where the child's message says they lie in the shared buffer: an
-    offset past its end (or unaligned) marks the channel corrupt instead of reading out of bounds."""
-    import mmap
-    import struct
-    import sandbox_child
-    nonce = os.urandom(16)
+def test_a_malformed_or_endless_message_from_the_child_is_its_failure():
+    """The driver reads what the candidate's process writes on their link: a line that is not a JSON object, or
+    a line that never ends, reads as an error (a verdict), never as an exception in the driver."""
+    import socket
+    from sandbox_wire import Link
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    link = Link(a.detach())
+    for raw, want in ((b"[1, 2]\n", "malformed"), (b"{not json\n", "malformed"), (b'{"k": 1}\n', None)):
+        b.sendall(raw)
+        got = link.recv(5)
+        assert (got.get("error") or "").find(want) >= 0 if want else got == {"k": 1}, (raw, got)
+    import threading
 
-    def read(spec: dict) -> dict:
-        r, w = os.pipe()
-        head = json.dumps({"type": "trial", "outs": [{"__t__": 0, "dtype": "float32", **spec}]}).encode()
-        os.write(w, nonce + struct.pack(">Q", len(head)) + head)
-        os.close(w)
-        shm = mmap.mmap(-1, 4096)
-        shm[:8] = struct.pack("<2f", 1.5, -2.0)
-        state, got = {"max_msg_bytes": 1 << 20, "shm": shm}, []
-        sandbox_child._reader(r, nonce, [], lambda m: got.append(m["outs"][0].tolist()), state)
-        return {"corrupt": state.get("corrupt"), "got": got}
-    assert read({"shape": [2], "at": 0}) == {"corrupt": None, "got": [[1.5, -2.0]]}
-    for bad in ({"shape": [1024], "at": 64}, {"shape": [2], "at": 4096}, {"shape": [2], "at": 4}):
-        assert "outside the shared output buffer" in (read(bad)["corrupt"] or ""), bad
+    def endless():
+        b.sendall(b"x" * (Link.MAX_LINE + (1 << 16)))
+        b.close()
+    t = threading.Thread(target=endless)
+    t.start()
+    assert "longer than" in (link.recv(5) or {}).get("error", "")
+    while link.recv(5) is not None:  # what was left of the endless line, then EOF
+        pass
+    t.join()
+    assert link.eof
+    link.close()
 
 
 # ----------------------------------------------------------------------------- C. baselines
@@ -245,7 +249,6 @@ def test_an_inflated_cached_baseline_is_retimed_before_a_speedup_tier(cfg, hones
     for beside in (True, False):
         with open(path, "w") as f:
             json.dump({**data, key: inflated}, f)
-        sandbox_reference._REF_POOLS.clear()
         v = check(RELU_TASK, sol(WORK), dataclasses.replace(cfg, eager_beside=beside))
         assert v.correct and v.eager_ms < 10 * true_eager, (beside, v.eager_ms, true_eager, v.to_dict())
         if true_compile or not beside:
@@ -365,28 +368,31 @@ def test_a_link_in_the_build_dir_is_a_compile_failure(cfg, spares):
 BIG_TASK = """import torch
 import torch.nn as nn
 class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4096, 4200, bias=False)  # 69 MB of weights in the driver's ready message
     def forward(self, x):
-        return torch.relu(x)
+        return self.proj(x)
 def get_inputs():
-    return [torch.randn(4200, 4096)]
+    return [torch.randn(2, 4096)]
 def get_init_inputs():
     return []
 """
 
 
-def test_a_warm_reference_child_reads_its_first_output_under_the_jobs_limit(cfg):
+def test_a_warm_driver_reads_its_first_message_under_the_jobs_limit(cfg):
     """A warm child's channel waits for its next message before the job, and the job's message limit, exist.
-    A reference child's first message after its job is an output (here 69 MB, over the 64 MB a child starts
-    with): it must be read under the job's limit, not refused under the start-up one."""
+    A driver's first message after its job carries the task's weights (here 69 MB, over the 64 MB a child
+    starts with): it must be read under the job's limit, not refused under the start-up one."""
     import time
     c = dataclasses.replace(cfg, warm_spares=1)
-    key, n, spawn = sandbox_reference.ref_spare(c, None)
-    sandbox_reference.REF_SPARES.fill(key, n, spawn)
+    key, n, spawn = sandbox_reference.driver_spare(c, None)
+    sandbox_reference.DRIVER_SPARES.fill(key, n, spawn)
     t_end, ready = time.time() + 120, []
     while not (ready and ready[0][1].msgs) and time.time() < t_end:  # started, and its first message read:
         time.sleep(0.2)                                                # its reader now waits for the next frame
-        ready = sandbox_reference.REF_SPARES._ready.get(key[:2]) or []
-    assert ready and ready[0][1].msgs, (sandbox_reference.REF_SPARES.last_error,
+        ready = sandbox_reference.DRIVER_SPARES._ready.get(key[:2]) or []
+    assert ready and ready[0][1].msgs, (sandbox_reference.DRIVER_SPARES.last_error,
                                        ready and open(os.path.join(ready[0][1].jobdir, "stderr")).read()[-800:])
-    ref = sandbox_reference.run_reference(BIG_TASK, c, [7], False)
-    assert tuple(ref["outputs"][7][0].shape) == (4200, 4096)
+    with sandbox_reference.driver(BIG_TASK, c, None) as d:
+        assert tuple(d.state_dict["proj.weight"].shape) == (4200, 4096)
