@@ -102,12 +102,14 @@ def check(cfg: CheckConfig) -> int:
             raise env.UsageError(f"{what} not found: {path}")
     if cfg.reward not in ("milestone", "speedup"):
         raise env.UsageError(f"--reward must be milestone | speedup, got {cfg.reward!r}")
-    sb = dataclasses.replace(cfg.sandbox, device=env.resolve_device(cfg.sandbox.device))
+    # One check: no warm spares (a spare only ever serves a later check), and the task is validated by the
+    # check's own driver, so a refusal the host can answer (syntax, static scan) starts no child at all.
+    spares = cfg.sandbox.warm_spares if cfg.sandbox.warm_spares >= 0 else 0
+    sb = dataclasses.replace(cfg.sandbox, device=env.resolve_device(cfg.sandbox.device), warm_spares=spares)
     try:
-        task = sandbox.load_task(cfg.task, device=sb.device)
+        verdict = sandbox.check(cfg.task, cfg.solution, sb).to_dict()
     except sandbox.TaskError as e:  # a bad task, or the reference itself failed on this device
         raise sandbox.TaskError(f"bad task {cfg.task}: {e}") from None
-    verdict = sandbox.check(task, cfg.solution, sb).to_dict()
     verdict["reward"] = reward.reward_from_verdict(verdict, cfg.reward)
     missing = [k for k in CHECK_KEYS if k not in verdict]
     assert not missing, f"sandbox verdict lacks contract keys {missing}"

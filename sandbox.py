@@ -10,7 +10,7 @@ and only one of them ever runs candidate code:
     It is a candidate's, or a baseline's (eager and `torch.compile`, timed by the same driver path).
 Files: this one (what runs, the verdict), sandbox_child.py (isolation, the child and its channel),
 sandbox_spares.py (the warm children), sandbox_build.py (kernel compiles, load_inline builds, the dispatch
-guard's build), sandbox_reference.py (the host's side of drivers and sessions, baselines), sandbox_rules.py
+guard's build), sandbox_reference.py (the host's side of drivers and pairings, baselines), sandbox_rules.py
 (static scan, comparison, timing statistic); inside children: sandbox_driver.py, sandbox_share.py (shared
 regions, GPU flags, the L2 controls, the freezer), sandbox_worker.py (the jobs, the dispatch guard, the runtime
 helpers), sandbox_measure.py (inputs), sandbox_wire.py (the channels), sandbox_inline.py and sandbox_guard.cpp;
@@ -66,8 +66,8 @@ COVERED:
     NPROC; per workspace at most `max_kernels` kernels and `compile_budget_s` of compiling.
   * Workspace files: the host lstat()s before it reads, hashes or copies (workspace.py); symlinks, FIFOs,
     devices and sockets are refused with a verdict error; reads are capped; nothing is followed.
-  * No state survives a check: one candidate per process (killed once its session ends; nothing is timed on
-    its GPU until it has exited: `settle`); the driver's flags are zeroed at each session; job dirs are
+  * No state survives a check: one candidate per process (killed once its pairing ends; nothing is timed on
+    its GPU until it has exited: `settle`); the driver's flags are zeroed at each pairing; job dirs are
     deleted; a load_inline source is built once by a child that sees no input, and runs from a private copy.
 NOT COVERED (known gaps):
   * The child sees the inputs of the call it is asked for (it must compute on them), and the task's source and
@@ -75,7 +75,7 @@ NOT COVERED (known gaps):
   * A per-call fixed cost (flag waits, a context switch on the GPU, a signal round trip on cpu) is in every
     time, the baselines' included; a kernel far below it cannot show its speed.
   * GPU work a child queues can run while the driver compares (it changes nothing the driver has not sampled
-    or compared yet without being caught, but it slows the driver) or after its session until it exits.
+    or compared yet without being caught, but it slows the driver) or after its pairing until it exits.
   * No seccomp, no cgroup (a fast allocation burst can overshoot the RSS poll), GPU memory capped only by the
     allocator fraction (cudaMalloc from C++ bypasses it), no per-job GPU isolation besides CUDA_VISIBLE_DEVICES.
   * Reads: `/` is read-only but visible; anything this user can read outside the hidden dirs, a candidate
@@ -117,7 +117,7 @@ from sandbox_child import (HARNESS_DIR, Child, ChildResult, SandboxError, bwrap_
                            run_child, settle)
 from sandbox_reference import (BASELINE_TIMING, DRIVER_SPARES, REF_SPARES, baseline_cache, baseline_entry,  # noqa: F401
                                baselines, device_name, driver, driver_spare, precision_of, prewarm, ref_spare,
-                               retime, run_reference, run_session, time_baselines, _request)
+                               retime, run_reference, run_pairing, time_baselines, _request)
 from sandbox_rules import RULES, compare, static_scan, timing  # noqa: F401
 from sandbox_spares import Spares, warm_spares  # noqa: F401
 from workspace import TaskError, WorkspaceError, looks_like_path, python_error, read_file, read_task  # noqa: F401
@@ -395,7 +395,7 @@ def _spare_kind(cfg, gpu, hide) -> tuple:
 
 
 def _run_candidate(form, cand, wdir, jobdir, drv, cfg, gpu, ws) -> tuple[ChildResult, list, dict]:
-    """The candidate's child, computing for one session of `drv`: eager's rounds (before any candidate code
+    """The candidate's child, computing for one pairing of `drv`: eager's rounds (before any candidate code
     exists in it), then the candidate's load, trials, profiler call and timed calls. Returns the child's
     result (what it says of itself: only errors and violations are read from it) and the driver's reports."""
     timeout = cfg.run_timeout_s + (cfg.compile_timeout_s if form == "a" else 0)  # load_inline args that differ
@@ -422,7 +422,7 @@ def _run_candidate(form, cand, wdir, jobdir, drv, cfg, gpu, ws) -> tuple[ChildRe
         job = None
     settle(gpu)  # the previous job's child has left the device before anything is timed here
     try:
-        r, calls, end = run_session(drv, child, job, _request(cfg, "candidate", cfg.profile and cfg.eager_beside),
+        r, calls, end = run_pairing(drv, child, job, _request(cfg, "candidate", cfg.profile and cfg.eager_beside),
                                     timeout)
     finally:
         shutil.rmtree(child.jobdir, ignore_errors=True)

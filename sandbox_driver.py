@@ -2,7 +2,7 @@
 (`python sandbox_worker.py JOB`, job kind "driver"; bound beside the worker, imports nothing of the project).
 
 A driver holds one task: its reference model (strict fp32), and two shared regions, one for the inputs of a
-call and one for its outputs (sandbox_share.Region). It serves sessions one after another; each session is
+call and one for its outputs (sandbox_share.Region). It serves pairings one after another; each pairing is
 one computing child (a candidate's, or a baseline's running eager and `torch.compile`), reached through a
 `Link` the host gave both, and held still by a `Freezer` whenever it is not asked for a call. Per call:
   1. draw the inputs from a fresh host-private seed, possibly beyond `get_inputs`' one distribution
@@ -220,11 +220,11 @@ class Driver:
         res = compare(ys, self.out_views, None, self.device, self.job["atol"], self.job["rtol"], self.device)
         return res["ok"], res["reason"], res
 
-    # ------------------------------------------------------------------------- a session
-    def session(self, req: dict, link_fd: int):
+    # ------------------------------------------------------------------------- a pairing
+    def pairing(self, req: dict, link_fd: int):
         import torch
-        link, freezer, report = Link(link_fd), Freezer(req["root_pid"]), {"type": "session_end", "error": None}
-        if self.ops:  # a child of an earlier session may have written any value into the flags: they start at 0
+        link, freezer, report = Link(link_fd), Freezer(req["root_pid"]), {"type": "pairing_end", "error": None}
+        if self.ops:  # a child of an earlier pairing may have written any value into the flags: they start at 0
             self.flags.bytes.zero_()
             torch.cuda.synchronize()
         try:
@@ -279,7 +279,7 @@ class Driver:
 
     def candidate(self, link, freezer, req: dict) -> str | None:
         """Load the candidate, then its trials, the profiler's call and the timed calls; None, or why the
-        session ended early (each call is reported to the host as it is judged)."""
+        pairing ended early (each call is reported to the host as it is judged)."""
         link.send({"op": "load"})
         freezer.cont()
         reply = link.recv(req["load_timeout_s"])
@@ -315,7 +315,7 @@ class Driver:
 
 
 def run_driver(job: dict, ch):
-    """Load the task, share the regions, say ready, then serve sessions until the host says stop."""
+    """Load the task, share the regions, say ready, then serve pairings until the host says stop."""
     try:
         d = Driver(job, ch)
     except (ValueError, TypeError) as e:
@@ -325,9 +325,9 @@ def run_driver(job: dict, ch):
     ch.send(d.ready())
     while True:
         req = ch.recv_control()
-        if req.get("op") != "session":
+        if req.get("op") != "pairing":
             break
         _, fds = recv_fds(job["fd_sock"])
-        d.session(req, fds[0])
+        d.pairing(req, fds[0])
     ch.send({"type": "result", "stage": "done"})
 

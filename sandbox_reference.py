@@ -1,5 +1,5 @@
 """The trusted side of a check, on the host: a check's driver (sandbox_driver.py, in its own child) and the
-sessions it runs with a computing child, the eager / `torch.compile` baselines (timed by a driver in a
+pairings it runs with a computing child, the eager / `torch.compile` baselines (timed by a driver in a
 baseline child, exactly as candidates are: cached, re-timed, prewarmed) and the validation of a task.
 Nothing here runs candidate code.
 
@@ -157,7 +157,7 @@ DRIVERS_PER_SLOT = 2
 
 class Driver:
     """The host's handle on one driver child: started (warm or cold), ready (its specs, the reference weights,
-    the shared regions' file descriptors, held here to hand to each computing child), then one session at a time."""
+    the shared regions' file descriptors, held here to hand to each computing child), then one pairing at a time."""
 
     def __init__(self, src: str, cfg: SandboxConfig, gpu):
         self.key, self.gpu, self.uses, self.broken = driver_key(src, cfg, gpu), gpu, 0, False
@@ -216,18 +216,18 @@ class Driver:
                     return self.events.pop(i)
         return None
 
-    def session(self, req: dict, link: socket.socket, timeout_s: float) -> tuple[list, dict]:
-        """Run one session (the computing child already has the other end of the link); returns the driver's
-        reports of the session (calls, the candidate's load) and its session_end. A driver that dies or
+    def pairing(self, req: dict, link: socket.socket, timeout_s: float) -> tuple[list, dict]:
+        """Run one pairing (the computing child already has the other end of the link); returns the driver's
+        reports of the pairing (calls, the candidate's load) and its pairing_end. A driver that dies or
         overruns is the sandbox's failure: SandboxError, and the driver is not used again."""
         with self._cv:
             self.events.clear()
         self.uses += 1
-        self.child.send({"op": "session", **req})
+        self.child.send({"op": "pairing", **req})
         self.child.send_fds({}, [link.fileno()])
         link.close()  # in flight to the driver, which now holds the only end
-        why = self.child.watch(lambda: self._seen("session_end", "result"), timeout_s)
-        end = self._take("session_end")
+        why = self.child.watch(lambda: self._seen("pairing_end", "result"), timeout_s)
+        end = self._take("pairing_end")
         with self._cv:
             reports = [m for m in self.events if m.get("type") in ("call", "load")]
         if end is None or end.get("driver_error"):
@@ -300,11 +300,11 @@ def _close_drivers():
             d.close()
 
 
-def run_session(drv: Driver, child: Child, job: dict | None, req: dict, timeout_s: float,
+def run_pairing(drv: Driver, child: Child, job: dict | None, req: dict, timeout_s: float,
                 on_msg=None, max_msg_mb: int = 16) -> tuple[ChildResult, list, dict]:
-    """One session of `drv` with `child` computing: the child gets its job (a warm one; a cold one has it), the
+    """One pairing of `drv` with `child` computing: the child gets its job (a warm one; a cold one has it), the
     regions and its end of a fresh link; the driver the other end and `req`. Returns the child's result and
-    the driver's reports and session_end."""
+    the driver's reports and pairing_end."""
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     out: dict = {}
     try:
@@ -316,7 +316,7 @@ def run_session(drv: Driver, child: Child, job: dict | None, req: dict, timeout_
         runner = threading.Thread(target=lambda: out.update(r=_run(child, timeout_s, on_msg, max_msg_mb)), daemon=True)
         runner.start()
         try:
-            reports, end = drv.session({**req, "root_pid": child.proc.pid}, a, timeout_s + 30)
+            reports, end = drv.pairing({**req, "root_pid": child.proc.pid}, a, timeout_s + 30)
         except BaseException:
             child.kill()
             raise
@@ -324,7 +324,7 @@ def run_session(drv: Driver, child: Child, job: dict | None, req: dict, timeout_
             a.close()
             b.close()
         runner.join(60)
-        if "r" not in out:  # the child outlived its session: it is killed, and says so
+        if "r" not in out:  # the child outlived its pairing: it is killed, and says so
             child.kill()
             runner.join(30)
     finally:
@@ -345,7 +345,7 @@ def _run(child: Child, timeout_s: float, on_msg, max_msg_mb):
 
 # ----------------------------------------------------------------------------- baselines
 def baseline_entry(b: dict, precision: str, device: str, old: dict | None = None) -> dict:
-    """A cache entry from a baseline session's rounds, merged with an earlier entry of the same task (re-timing).
+    """A cache entry from a baseline pairing's rounds, merged with an earlier entry of the same task (re-timing).
 
     The baseline is the MINIMUM over every round median of every run: load on the machine only ever makes
     a measurement slower, so the minimum is the measurement least inflated by it."""
@@ -360,7 +360,7 @@ def baseline_entry(b: dict, precision: str, device: str, old: dict | None = None
 
 def time_baselines(drv: Driver, src: str, cfg: SandboxConfig, gpu) -> dict:
     """Eager and compiled rounds of the task, in a baseline child (trusted code: the task and torch.compile)
-    under `drv`: the same calls, clock and copies as a candidate's. Returns the session's rounds."""
+    under `drv`: the same calls, clock and copies as a candidate's. Returns the pairing's rounds."""
     inductor = _inductor(cfg)
     child = REF_SPARES.take(*ref_spare(cfg, gpu))[0] if warm_spares(cfg) > 0 else None
     jobdir = child.jobdir if child else new_jobdir()
@@ -377,7 +377,7 @@ def time_baselines(drv: Driver, src: str, cfg: SandboxConfig, gpu) -> dict:
             child = Child(jobdir, device=cfg.device, mem_limit_mb=cfg.mem_limit_mb, gpu=gpu, writable=(inductor,),
                           env=_inductor_env(inductor), job=job)
             job = None
-        r, _, end = run_session(drv, child, job, _request(cfg, "baseline"), timeout)
+        r, _, end = run_pairing(drv, child, job, _request(cfg, "baseline"), timeout)
     finally:
         shutil.rmtree(jobdir, ignore_errors=True)
     if end.get("error") or not end.get("eager"):
@@ -386,7 +386,7 @@ def time_baselines(drv: Driver, src: str, cfg: SandboxConfig, gpu) -> dict:
 
 
 def _request(cfg: SandboxConfig, role: str, eager: bool = False) -> dict:
-    """A session's request to the driver: what to run, with the check's counts and limits."""
+    """A pairing's request to the driver: what to run, with the check's counts and limits."""
     return {"role": role, "eager": eager, "n_trials": cfg.n_trials, "warmup": cfg.warmup, "iters": cfg.iters,
             "profile": cfg.profile, "call_timeout_s": cfg.run_timeout_s, "attach_timeout_s": cfg.run_timeout_s,
             "load_timeout_s": cfg.run_timeout_s + cfg.compile_timeout_s,

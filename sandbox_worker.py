@@ -4,7 +4,7 @@ The host (`sandbox.py`) never imports candidate code; it starts this file in a f
 inside bubblewrap (see sandbox.py's threat model). The job kinds:
   * `driver` (sandbox_driver.py): the trusted side of checks: the pristine task, the inputs of every call,
     the reference outputs, the clock and every comparison. It never runs candidate code.
-  * `candidate` / `baseline` (`run_compute`): a child that only computes, for one driver session. It maps the
+  * `candidate` / `baseline` (`run_compute`): a child that only computes, for one driver pairing. It maps the
     driver's shared regions, and answers the driver's requests one at a time over their link: a call (forward
     on the shared inputs, the output copied into the shared output region), "load" (import and construct
     the candidate `ModelNew` under the dispatch guard with the init allow-list), "end". A candidate child runs

@@ -273,7 +273,7 @@ def _ms(x) -> str:
 
 
 def verify_text(v: dict) -> str:
-    if not v.get("compiled"):
+    if not v.get("compiled") and not v.get("violation"):  # a static violation is refused before any compile
         return f"COMPILE FAILED ({v.get('error') or ''})\n{v.get('compile_log', '')}".strip()
     head = []
     if v.get("violation"):

@@ -301,7 +301,7 @@ import gc
 def raise_done():  # the driver's done flag raised, for this call and every later one, before any work is queued
     sh = next(o for o in gc.get_objects() if type(o).__name__ == "_Shared")
     sh.ops.write_flag(stream().value, sh.flags + 4, 0x7FFFFFFF)
-    sh.ops.write_flag(stream().value, sh.flags, 0x7FFFFFFF)  # and the go flag: the next session's child would not wait
+    sh.ops.write_flag(stream().value, sh.flags, 0x7FFFFFFF)  # and the go flag: the next pairing's child would not wait
 """
 
 
