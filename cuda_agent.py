@@ -35,6 +35,7 @@ import env
 import policy
 import reward
 import sandbox
+import sandbox_ray
 import synth
 import tasks
 import tools
@@ -83,6 +84,8 @@ def print_verdict(v: dict) -> None:
         mark = "ok " if t.get("ok") else "BAD"
         print(f"  trial {t.get('trial')} {mark} max_abs={t.get('max_abs_err')} "
               f"rel_l2={t.get('rel_l2')} {t.get('reason') or ''}".rstrip())
+    if v.get("form"):
+        print(f"form      : {v['form']}")
     print(f"device    : {v.get('device')}   precision: {v.get('precision')}")
     print(f"eager     : {_fmt_ms(v['eager_ms'])}")
     print(f"compile   : {_fmt_ms(v['compile_ms'])}")
@@ -107,7 +110,7 @@ def check(cfg: CheckConfig) -> int:
     spares = cfg.sandbox.warm_spares if cfg.sandbox.warm_spares >= 0 else 0
     sb = dataclasses.replace(cfg.sandbox, device=env.resolve_device(cfg.sandbox.device), warm_spares=spares)
     try:
-        verdict = sandbox.check(cfg.task, cfg.solution, sb).to_dict()
+        verdict = sandbox_ray.check(cfg.task, cfg.solution, sb).to_dict()  # --sandbox.ray-address: on a lane there
     except sandbox.TaskError as e:  # a bad task, or the reference itself failed on this device
         raise sandbox.TaskError(f"bad task {cfg.task}: {e}") from None
     verdict["reward"] = reward.reward_from_verdict(verdict, cfg.reward)
@@ -168,14 +171,14 @@ def solve(cfg: SolveConfig) -> int:
         raise sandbox.TaskError(f"bad task {cfg.task}: {e}") from None
     pol = policy.make_policy(cfg.policy, device=sb.device, seed=cfg.seed)
     ecfg = dataclasses.replace(cfg.env, work_dir=os.path.join(cfg.out, "workspaces"))
-    pool = sandbox.SandboxPool(sb)
+    pool = sandbox_ray.make_pool(sb)  # this machine's, or with --sandbox.ray-address the Ray cluster's lanes
     try:
         traj = env.run_episodes(pol, [task], pool, ecfg, log=None if cfg.quiet else print_event)[0]
     finally:
         pool.close()
     tasks.save_trajectories(os.path.join(cfg.out, "trajectory.jsonl"), [traj])
     best = os.path.join(cfg.out, "best")
-    tools.make_workspace(best, task.code, sb.device)
+    tools.make_workspace(best, task.code, sb.device, layout=cfg.env.workspace)
     for rel in list(tools.snapshot(best)):          # the scaffold goes; the best snapshot comes in
         os.remove(os.path.join(best, rel))
     tools.write_files(best, traj.best_files)

@@ -228,6 +228,9 @@ class EnvConfig:
     """no tools: one response holding model_new.py and kernels in fenced blocks (the warm-up stage)"""
     work_dir: str = "runs/workspaces"
     """parent directory of the per-episode workspaces"""
+    workspace: str = "ctypes"
+    """the workspace's form (tools.LAYOUTS): "ctypes" (kernels/*.cu|cpp loaded through ctypes) | "cuda_extension"
+    (the paper's released layout: kernels/NAME.cu + NAME_binding.cpp built into one torch extension)"""
     reward: str = "milestone"
     """reward kind of every verdict (reward.py): "milestone" (Eq. 1) | "speedup" (ablation)"""
     bash_timeout_s: float = 60.0
@@ -277,15 +280,18 @@ class Episode:
         assert isinstance(task, Task) and "class Model" in task.code, f"task {eid} has no source with class Model"
         self.id, self.cfg, self.pool, self.sb, self.log = eid, cfg, pool, sb_cfg, log or (lambda *a: None)
         self.src, self.name = task.code, task.name
+        if cfg.workspace not in tools.LAYOUTS:
+            raise UsageError(f"--env.workspace must be {' | '.join(tools.LAYOUTS)}, got {cfg.workspace!r}")
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", self.name)[:60]
         self.ws = tools.make_workspace(os.path.abspath(os.path.join(cfg.work_dir, f"ep{eid:05d}_{safe}")), self.src,
-                                       sb_cfg.device, tol=max(sb_cfg.atol, sb_cfg.rtol))
+                                       sb_cfg.device, tol=max(sb_cfg.atol, sb_cfg.rtol), layout=cfg.workspace)
         self.hide = [tools.REPO, os.path.expanduser(sb_cfg.cache_dir), os.path.abspath(cfg.work_dir)]
         self.tools = None if cfg.single_turn else copy.deepcopy(tools.TOOLS)
         ext = "cu" if sb_cfg.device == "cuda" else "cpp"
         intro = open(os.path.join(self.ws, "INSTRUCTIONS.md")).read()
         if cfg.single_turn:      # no tools: drop their section, ask for the whole answer in fenced blocks
-            intro = intro.split("## Tools")[0] + tools.prompt("single_turn_format.md").replace("{ext}", ext) + "\n"
+            fmt = f"single_turn_format{'_cuda_extension' if cfg.workspace == 'cuda_extension' else ''}.md"
+            intro = intro.split("## Tools")[0] + tools.prompt(fmt).replace("{ext}", ext) + "\n"
         user = f"{intro}\n## model.py\n```python\n{self.src}\n```\n"
         system = tools.prompt("system_single.md" if cfg.single_turn else "system.md")
         self.messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
@@ -434,6 +440,8 @@ class Episode:
             obs, rec["verdict"] = self.call(name, args)
         except ValueError as e:        # confinement, links and special files (WorkspaceError), bad values
             obs = f"error: {e}"
+        except sandbox.SandboxError:   # the sandbox's own failure (a lost node): it stops the run, never a -1
+            raise
         except Exception as e:         # a tool must never take the episode down
             obs = f"error: internal tool failure: {type(e).__name__}: {str(e)[:300]}"
         rec["duration_s"] = round(time.time() - t0, 3)
@@ -452,6 +460,8 @@ class Episode:
             try:
                 self.final_verdict = self.check(profile=self.sb.profile)
                 self.final_reward = reward.reward_from_verdict(self.final_verdict, self.cfg.reward)
+            except sandbox.SandboxError:  # not the candidate's doing (a lost node): it stops the run, never a -1
+                raise
             except Exception as e:   # the sandbox promises verdicts; keep the episode even if it breaks
                 self.final_verdict = {"error": f"final check failed: {type(e).__name__}: {e}"}
             self.log(self.id, "verdict", tools.profile_text(self.final_verdict, self.final_reward)

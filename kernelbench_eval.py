@@ -49,6 +49,7 @@ import env
 import policy
 import reward
 import sandbox
+import sandbox_ray
 import sandbox_rules
 import tasks
 import tools
@@ -129,7 +130,7 @@ def prepare(cfg: EvalConfig) -> EvalConfig:
     cannot run. Cheap: no model, task or sandbox is touched."""
     source = tasks.find_kernelbench(cfg.kernelbench_dir, cfg.hf_dataset)   # first: what a new user lacks first
     dev = env.resolve_device(cfg.sandbox.device)
-    if dev == "cuda":
+    if dev == "cuda" and not cfg.sandbox.ray_address:  # with it, the GPUs are the Ray cluster's
         n = torch.cuda.device_count()
         if not n:
             raise env.UsageError("--sandbox.device cuda, but torch sees no GPU: use --sandbox.device cpu (smoke) or auto")
@@ -458,11 +459,12 @@ def plot_speedups(path: str, records: list[dict]) -> None:
 
 
 def make_pool(cfg: EvalConfig, scfg):
-    """The trainer's sandbox pool (compiles on CPU cores, verify/profile one job per GPU)."""
+    """The trainer's sandbox pool (compiles on CPU cores, verify/profile one job per GPU; with
+    --sandbox.ray-address one per GPU of the Ray cluster, and --gpus does not apply)."""
     gpus = None
-    if cfg.sandbox.device == "cuda":  # prepare() has checked that torch lists these GPUs
+    if cfg.sandbox.device == "cuda" and not cfg.sandbox.ray_address:  # prepare() checked that torch lists them
         gpus = cfg.gpus or list(range(torch.cuda.device_count()))
-    return sandbox.SandboxPool(scfg, gpus=gpus)
+    return sandbox_ray.make_pool(scfg, gpus=gpus)
 
 
 def _result(fut) -> tuple[dict, str | None]:

@@ -17,7 +17,10 @@
 
   * Long trajectories: log-probs and entropies are computed at policy tokens only, with the vocabulary
     projection in checkpointed chunks of LOGIT_CHUNK positions (`token_logprobs`): the (T, V) fp32 logits
-    never exist (3.5 GiB per 1k tokens at Qwen3's 152k vocabulary). GAE is a scan, not a loop over T.
+    never exist (3.5 GiB per 1k tokens at Qwen3's 152k vocabulary). GAE is a scan, not a loop over T. With
+    --offload-activations the forwards of `ppo_update` and `sft_update` keep what they save for the backward
+    in host memory (`offload_activations`); with gradient checkpointing that is each decoder layer's input,
+    (T, H) per layer. `score` runs without autograd and saves nothing, so the flag does not touch it.
 
 Departures from the paper (the rest are listed in train.py):
   1. LoRA on one frozen base instead of full fine-tuning of two models.
@@ -37,6 +40,7 @@ Smoke: python -m pytest -q tests/test_ppo.py tests/test_ppo_learning.py
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 
@@ -485,6 +489,56 @@ def make_optimizers(model, head, cfg) -> dict:
                                          {"params": list(head.parameters()), "lr": cfg.lr_head}], weight_decay=0.0)}
 
 
+OFFLOAD_MIN_BYTES = 1 << 20  # smaller saved tensors (norm weights, indices, per-token scalars) stay on the device
+
+
+def _empty_with_layout(t: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
+    """An empty tensor of t's size and strides on `device` (a strided view such as one half of a chunk() keeps its
+    layout, so the backward runs the kernels it would have run), or a contiguous one where those strides span
+    more than twice t's elements."""
+    span = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+    if span <= 2 * t.numel():
+        return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device, pin_memory=pin)
+    return torch.empty(t.size(), dtype=t.dtype, device=device, pin_memory=pin)
+
+
+def offload_activations(on: bool, stats: dict | None = None):
+    """A context around a forward whose backward comes later (--offload-activations; ours, for the 128k-token
+    agentic context of §4.1 on one GPU): each tensor that autograd saves for the backward inside it is copied to
+    host memory (pinned when it is on a GPU, the copy queued on the current stream) and copied back when the
+    backward unpacks it. Frozen parameters, broadcast views and tensors under OFFLOAD_MIN_BYTES stay where they
+    are.
+
+    With non-reentrant gradient checkpointing a checkpointed decoder layer saves its input only, (B, T, H), and
+    that input is packed by this context (it is the innermost hook when the checkpoint saves it): 48 x 0.5 GiB
+    at 131,072 tokens of Qwen3-30B-A3B (hidden 2,048, bf16) leave the GPU, plus the final norm's and the value
+    head's inputs and each logit chunk's (C, H) input. What a layer recomputes during the backward is saved
+    under the checkpoint's own hook and stays on the GPU. Without checkpointing every saved activation is
+    copied, once for each op that saves it. A forward under no_grad (`score`) saves nothing: nothing moves.
+    stats: "offload_bytes" grows by the bytes copied. off: a null context."""
+    if not on:
+        return contextlib.nullcontext()
+
+    def pack(t: torch.Tensor):
+        n = t.numel() * t.element_size()
+        if (isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter) or n < OFFLOAD_MIN_BYTES
+                or t.numel() == 0 or t.layout != torch.strided or t.untyped_storage().nbytes() < n):
+            return t.detach()  # weights, small, sparse or expanded; detached: not tied to its own grad_fn
+        pin = t.device.type == "cuda"
+        host = _empty_with_layout(t, torch.device("cpu"), pin)
+        host.copy_(t, non_blocking=pin)
+        if stats is not None:
+            stats["offload_bytes"] = stats.get("offload_bytes", 0) + host.untyped_storage().nbytes()
+        return t.device, host
+
+    def unpack(x):
+        if isinstance(x, torch.Tensor):
+            return x
+        device, host = x
+        out = _empty_with_layout(host, device, False)
+        return out.copy_(host, non_blocking=device.type == "cuda")
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -617,11 +671,13 @@ def ppo_update(model, head, opt: dict, cfg, b_ids, b_attn, b_mask, b_logp, b_val
     minibatch; micro-batches accumulate gradients with the full-minibatch trajectory count (§4.1: mean over
     each trajectory's tokens, then over trajectories), so the update does not depend on the micro-batch size.
     A micro-batch with no policy token adds nothing to any loss and is skipped (its log-probs would carry no
-    graph to differentiate)."""
+    graph to differentiate). With cfg.offload_activations each forward's saved tensors wait in host memory
+    for its backward (`offload_activations`; stats["offload_GiB"]: GiB copied per forward, the mean)."""
     B = len(b_ids)
     n_all = int(global_sum(torch.tensor(float(B), device=b_ids.device)).item())
     assert n_global is None or n_global == n_all, f"n_global {n_global} != {n_all} trajectories over all ranks"
     stats: dict[str, list[float]] = {}
+    off = {}  # bytes copied to host by the forwards of this update (--offload-activations)
     actor_ps, critic_ps = adapter_params(model, "actor"), adapter_params(model, "critic") + list(head.parameters())
     model.train()  # gradient checkpointing (if enabled) is active in train mode; LoRA dropout is 0
     for _epoch in range(cfg.ppo_epochs):
@@ -639,8 +695,9 @@ def ppo_update(model, head, opt: dict, cfg, b_ids, b_attn, b_mask, b_logp, b_val
                     continue
                 scale = n_traj / len(rows)  # per-micro-batch loss -> its own mean, for the logs
                 if train_actor:
-                    logp, ent = actor_logprobs(model, ids, attn, cfg.temperature, with_entropy=True, mask=mask,
-                                               entropy_grad=cfg.entropy_coef > 0)
+                    with offload_activations(cfg.offload_activations, off):
+                        logp, ent = actor_logprobs(model, ids, attn, cfg.temperature, with_entropy=True, mask=mask,
+                                                   entropy_grad=cfg.entropy_coef > 0)                  # (b, T)
                     pg, st = ppo_policy_loss(logp, b_logp[rows, :T], b_adv[rows, :T], mask, cfg.eps_low,
                                              cfg.eps_high, num_traj=n_traj,
                                              is_weight=b_tis[rows, :T] if b_tis is not None else None)
@@ -656,11 +713,16 @@ def ppo_update(model, head, opt: dict, cfg, b_ids, b_attn, b_mask, b_logp, b_val
                     for k, v in (("pg_loss", pg.item() * scale), ("clipfrac", st["clipfrac"]),
                                  ("approx_kl", st["approx_kl"]), ("entropy", ent_mean.item() * scale)):
                         stats.setdefault(k, []).append(v)
+                    if cfg.offload_activations:
+                        stats.setdefault("offload_GiB", []).append(off.pop("offload_bytes", 0) / 2 ** 30)
                 if train_critic:
-                    v = critic_values(model, head, ids, attn)
+                    with offload_activations(cfg.offload_activations, off):
+                        v = critic_values(model, head, ids, attn)                                      # (b, T)
                     vl, _ = value_loss(v, b_returns[rows, :T], mask, b_values[rows, :T], cfg.vf_clip, num_traj=n_traj)
                     vl.backward()
                     stats.setdefault("v_loss", []).append(vl.item() * scale)
+                    if cfg.offload_activations:
+                        stats.setdefault("offload_GiB", []).append(off.pop("offload_bytes", 0) / 2 ** 30)
             for name, ps, on in (("actor", actor_ps, train_actor), ("critic", critic_ps, train_critic)):
                 if on:
                     all_reduce_grads(ps)
@@ -672,7 +734,8 @@ def ppo_update(model, head, opt: dict, cfg, b_ids, b_attn, b_mask, b_logp, b_val
 
 def sft_update(model, opt_actor, cfg, b_ids, b_attn, b_mask, n_global: int | None = None) -> dict:
     """One RFT step (§3.3 stage 2): next-token NLL on the action tokens only (b_mask == 1), averaged per
-    trajectory then over trajectories; one optimizer step over the batch (micro-batched)."""
+    trajectory then over trajectories; one optimizer step over the batch (micro-batched). cfg.offload_activations:
+    as in `ppo_update`."""
     B = len(b_ids)
     n_all = n_global or B  # trajectories in this step over all ranks (ranks may hold different counts)
     model.train()
@@ -681,7 +744,9 @@ def sft_update(model, opt_actor, cfg, b_ids, b_attn, b_mask, n_global: int | Non
     for rows, T in micro_batches(list(range(B)), cfg.micro_batch_size, b_attn):
         if not b_mask[rows, :T].any():  # nothing to imitate (and no graph to differentiate)
             continue
-        logp, _ = actor_logprobs(model, b_ids[rows, :T], b_attn[rows, :T], cfg.temperature, mask=b_mask[rows, :T])
+        with offload_activations(cfg.offload_activations):
+            logp, _ = actor_logprobs(model, b_ids[rows, :T], b_attn[rows, :T], cfg.temperature,
+                                     mask=b_mask[rows, :T])                                            # (b, T)
         loss = _per_trajectory_then_batch(-logp, b_mask[rows, :T], n_all)
         loss.backward()
         nll_sum += loss.item()

@@ -10,7 +10,7 @@ and only one of them ever runs candidate code:
     It is a candidate's, or a baseline's (eager and `torch.compile`, timed by the same driver path).
 Files: this one (what runs, the verdict), sandbox_child.py (isolation, the child and its channel),
 sandbox_spares.py (the warm children), sandbox_build.py (kernel compiles, load_inline builds, the dispatch
-guard's build), sandbox_reference.py (the host's side of drivers and pairings, baselines), sandbox_rules.py
+guard's build), sandbox_extension.py (form (c)'s torch extension), sandbox_reference.py (the host's side of drivers and pairings, baselines), sandbox_rules.py
 (static scan, comparison, timing statistic); inside children: sandbox_driver.py, sandbox_share.py (shared
 regions, GPU flags, the L2 controls, the freezer), sandbox_worker.py (the jobs, the dispatch guard, the runtime
 helpers), sandbox_measure.py (inputs), sandbox_wire.py (the channels), sandbox_inline.py and sandbox_guard.cpp;
@@ -26,7 +26,9 @@ time; it only computes, and the driver judges each call from outside:
   2. the clock is the driver's: cpu, wall clock from "go" (the child continued) until the reply, read after
      every thread of the child is stopped again (no thread can finish the work afterwards); GPU, the driver's
      own events around a flag its stream writes ("go") and a flag the child's stream writes behind its output
-     copy ("done"), the end event after a read of 4096 random output bytes;
+     copy ("done"), the end event after a read of 4096 random output bytes. A timed GPU call is queued: the
+     child enqueues its work behind the go flag and is stopped before the inputs exist, so the clock holds
+     GPU work only, and nothing the child launched earlier can have read the inputs;
   3. the driver compares the output region in full with the reference (a stopped child, a settled GPU), checks
      the sampled bytes did not change since the clock stopped (work still running after "done"), and that
      the inputs are unmodified.
@@ -68,12 +70,17 @@ COVERED:
     devices and sockets are refused with a verdict error; reads are capped; nothing is followed.
   * No state survives a check: one candidate per process (killed once its pairing ends; nothing is timed on
     its GPU until it has exited: `settle`); the driver's flags are zeroed at each pairing; job dirs are
-    deleted; a load_inline source is built once by a child that sees no input, and runs from a private copy.
+    deleted; a load_inline source is built once by a child that sees no input, and runs from a private copy;
+    form (c)'s extension is built by a child that runs compilers only (it never imports the module).
 NOT COVERED (known gaps):
   * The child sees the inputs of the call it is asked for (it must compute on them), and the task's source and
     weights; a shortcut right on every variant above (integer inputs are drawn from get_inputs alone) passes.
-  * A per-call fixed cost (flag waits, a context switch on the GPU, a signal round trip on cpu) is in every
-    time, the baselines' included; a kernel far below it cannot show its speed.
+  * A per-call fixed cost is in every time, the baselines' included: on a GPU two cross-context flag waits and
+    the output sample (microseconds); on cpu a signal round trip and the child's wake-up. A forward that waits
+    on the GPU (a sync) cannot be queued: its host time is inside its clock (the verdict counts such calls).
+  * A kernel left running on the GPU between calls (a persistent kernel polling the input region) is not
+    stopped by SIGSTOP; the GPU runs one context at a time, so its GPU time while the driver prepares is
+    charged to the call beyond PREP_SLACK, not prevented.
   * GPU work a child queues can run while the driver compares (it changes nothing the driver has not sampled
     or compared yet without being caught, but it slows the driver) or after its pairing until it exits.
   * No seccomp, no cgroup (a fast allocation burst can overshoot the RSS poll), GPU memory capped only by the
@@ -84,10 +91,13 @@ NOT COVERED (known gaps):
 
 Departures from the paper:
   1. The paper's sandbox is not public; this follows KernelBench's and other public harnesses' known hacks.
-  2. Kernels (form b) compile per file to plain shared objects via ctypes (no torch headers), so an edit
-     rebuilds one kernel in ~1 s instead of `load_inline`'s ~47 s. Form (a) `load_inline` sources build
-     against a slim stand-in for <torch/extension.h> first (sandbox_inline.SLIM_TORCH_H), against torch's
-     own headers when that fails; the verdict is the same either way.
+  2. Three solution forms (`Verdict.form`): (a) one file, KernelBench's; (b) a workspace whose kernels compile
+     per file to plain shared objects called through ctypes (no torch headers), so an edit rebuilds one kernel
+     in ~1 s instead of `load_inline`'s ~47 s; (c) the paper's released workspace (model_new.py importing
+     `cuda_extension`, kernels/*.cu + kernels/*_binding.cpp + binding.cpp), built as one torch extension with
+     the released flags, only changed sources recompiled (sandbox_extension.py). Form (a)'s `load_inline`
+     sources and form (c)'s build against a slim stand-in for <torch/extension.h> first
+     (sandbox_inline.SLIM_TORCH_H), against torch's own headers when that fails; the verdict is the same.
   3. Reference outputs are always strict fp32; `precision` only affects the timed baselines/candidate.
   4. Every call is compared in full (the paper: 5 trials), and times are the driver's clock around one call
      (the released profiler script: the sum of kernel times over 10 iterations in the same process).
@@ -107,18 +117,20 @@ import shutil
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 import sandbox_worker
 import workspace
-from sandbox_build import (build_inline, bytecode_cache, compile_workspace, copy_build, guard_library,  # noqa: F401
-                           trim_log)
+from sandbox_build import (build_inline, bytecode_cache, copy_build, guard_library, trim_log)  # noqa: F401
+from sandbox_build import compile_workspace as compile_kernels
+from sandbox_extension import CPP_SUFFIXES, EXTENSION, build_extension, is_extension_workspace
 from sandbox_child import (HARNESS_DIR, Child, ChildResult, SandboxError, bwrap_argv, hidden,  # noqa: F401
                            hidden_candidate, interruptible, isolation, last_line, new_jobdir, require_device,
                            run_child, settle)
-from sandbox_reference import (BASELINE_TIMING, DRIVER_SPARES, REF_SPARES, baseline_cache, baseline_entry,  # noqa: F401
+from sandbox_reference import (DRIVER_SPARES, REF_SPARES, baseline_cache, baseline_entry, baseline_timing,  # noqa: F401
                                baselines, device_name, driver, driver_spare, precision_of, prewarm, ref_spare,
                                retime, run_reference, run_pairing, time_baselines, _request)
-from sandbox_rules import RULES, compare, static_scan, timing  # noqa: F401
+from sandbox_rules import RULES, compare, cpp_scan, static_scan, timing  # noqa: F401
 from sandbox_spares import Spares, warm_spares  # noqa: F401
 from workspace import TaskError, WorkspaceError, looks_like_path, python_error, read_file, read_task  # noqa: F401
 
@@ -144,7 +156,8 @@ class SandboxConfig:
     iters: int = 50
     """timed iterations (median reported)"""
     compile_timeout_s: float = 120
-    """wall-clock limit per kernel compile (and for load_inline builds in form (a))"""
+    """wall-clock limit per kernel compile (+ 60 s for a load_inline build, form (a), or an extension build,
+    form (c))"""
     run_timeout_s: float = 300
     """wall-clock limit per child (and per call of a computing child)"""
     mem_limit_mb: int = 8192
@@ -173,6 +186,10 @@ class SandboxConfig:
     """kernel sources one workspace may hold (more is an error verdict, not a queue of compiles)"""
     compile_budget_s: float = 300
     """wall-clock budget shared by all compiles of one workspace (each is also capped by compile_timeout_s)"""
+    gpu_clock: Literal["queued", "go-first"] = "queued"
+    """GPU timed calls: "queued" (the child enqueues its work behind the go flag and is stopped; the driver's clock
+    holds GPU work only) or "go-first" (the clock runs from go while the child is continued: its wake-up and
+    launch path inside every time, ~0.7 ms on an H100)"""
     eager_beside: bool = True
     """time eager in each candidate's own child, under the same driver, just before the candidate is imported,
     and compare the candidate with that (same process, same minute); False: with the eager baseline cached per
@@ -181,6 +198,11 @@ class SandboxConfig:
     """pre-started candidate children kept per device (torch imported, CUDA up, checks warmed); each serves
     one candidate and is replaced in the background. 0 = start a child per check; -1 = 12 on cuda, 0 on cpu
     (a spare's start-up would share the cores with a check being timed). Form (a) runs in a new child"""
+    ray_address: str | None = None
+    """check on a Ray cluster (sandbox_ray.py; needs ray): "auto" (this node's `ray start`) or HOST:PORT, one lane
+    per GPU of every node; None: this machine's GPUs or CPU slots"""
+    ray_lane_cpus: int = 1
+    """with --sandbox.ray-address and device cpu: Ray CPUs each lane takes (a node offers its CPUs // this)"""
 
 
 @dataclass
@@ -200,6 +222,7 @@ class Verdict:
     compile_log: str = ""
     trials: list = field(default_factory=list)
     timings: dict = field(default_factory=dict)
+    form: str = ""  # what the solution was read as (FORMS)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -227,9 +250,21 @@ def check(task: str, solution: str, cfg: SandboxConfig, gpu: int | None = None) 
     return _check(task, solution, cfg, contextlib.nullcontext, lambda: contextlib.nullcontext(gpu))
 
 
+FORMS = {"a": "one file (form a)", "b": "workspace, ctypes kernels (form b)",
+         "c": f"cuda-agent workspace ({EXTENSION})", "refused": "refused"}
+
+
+def compile_workspace(ws: str, cfg: SandboxConfig, workers: int | None = None) -> tuple[bool, str, dict[str, str]]:
+    """A workspace's build, (ok, log, {name: .so}): form (c) as one torch extension (sandbox_extension.py),
+    form (b) kernel by kernel (sandbox_build.compile_workspace)."""
+    if is_extension_workspace(ws):
+        return build_extension(ws, cfg)
+    return compile_kernels(ws, cfg, workers)
+
+
 def _solution(solution: str) -> tuple[str, str]:
-    """("b", workspace) | ("a", source) | ("refused", one line: a missing path, a directory that is not a
-    workspace, a file that is not a regular file of UTF-8 text or is larger than workspace.FILE_CAP)."""
+    """("b", workspace: form (b) or (c)) | ("a", source) | ("refused", one line: a missing path, a directory that
+    is not a workspace, a file that is not a regular file of UTF-8 text or is larger than workspace.FILE_CAP)."""
     if not looks_like_path(solution):
         return "a", solution
     if os.path.isdir(solution):
@@ -258,9 +293,10 @@ def _check(task, solution, cfg, compile_gate, device_gate) -> Verdict:
     return v
 
 
-def _refused(sources: list[str], cfg: SandboxConfig, v: Verdict) -> bool:
+def _refused(sources: list[str], cfg: SandboxConfig, v: Verdict, cpp: tuple = (), imports: tuple = ()) -> bool:
     """The host's own checks of the candidate's Python files (paths of the host's copies): syntax, `ModelNew`
-    in the entry file, the static scan. Milliseconds, before any child starts; True if one refused it."""
+    in the entry file, the static scan (`imports` allowed besides cfg's); form (c)'s C++ files `cpp`, (name, path)
+    pairs, are scanned too. Milliseconds, before any child starts; True if one refused it."""
     if cfg.rules not in RULES:  # the caller's configuration, not the candidate's doing: stop, one line
         raise SandboxError(f"--sandbox.rules {cfg.rules!r}: use one of {', '.join(RULES)}")
     v.timings["rules"] = cfg.rules
@@ -271,20 +307,22 @@ def _refused(sources: list[str], cfg: SandboxConfig, v: Verdict) -> bool:
                                  for t, n in zip(texts, names))), None)
     if v.error or not cfg.static_scan:
         return v.error is not None
-    extra = tuple(m.strip() for m in cfg.allow_imports.split(",") if m.strip())
-    v.violation = next(filter(None, (static_scan(t, extra, cfg.rules) for t in texts)), None)
+    extra = tuple(m.strip() for m in cfg.allow_imports.split(",") if m.strip()) + tuple(imports)
+    v.violation = next(filter(None, (static_scan(t, extra, cfg.rules) for t in texts)), None) or \
+        next(filter(None, (cpp_scan(workspace.read_text(p), name, cfg.rules) for name, p in cpp)), None)
     v.stage = "verify" if v.violation else v.stage
     return v.violation is not None
 
 
 def _prepare(form: str, sol, cfg: SandboxConfig, v: Verdict, compile_gate, wdir: str) -> str | None:
-    """Copy the candidate into wdir, check it on the host, then compile (form b) or build (form a); returns the
-    candidate path, or None on failure. The workspace is read only through `workspace` (no link followed, no
+    """Copy the candidate into wdir, check it on the host, then compile (form b) or build (forms a, c); returns
+    the candidate path, or None on failure. The workspace is read only through `workspace` (no link followed, no
     special file opened, capped), and what is checked is the copy that runs."""
     if form == "refused":
         v.error = sol
         return None
-    if form == "b":
+    cpp = ()
+    if form in ("b", "c"):
         try:
             copied = workspace.copy_tree(sol, wdir, ignore_suffixes=(".so",))
         except WorkspaceError as e:  # a link, FIFO, device or socket: the candidate's doing, one line
@@ -295,19 +333,24 @@ def _prepare(form: str, sol, cfg: SandboxConfig, v: Verdict, compile_gate, wdir:
             return None
         path = os.path.join(wdir, "model_new.py")
         sources = [os.path.join(wdir, f) for f in copied if f.endswith(".py") and "/" not in f and f != "model.py"]
+        if form == "c":  # its C++ includes torch's headers: scanned like form (a)'s load_inline strings
+            cpp = tuple((f, os.path.join(wdir, f)) for f in copied if f.endswith(CPP_SUFFIXES))
     else:
         path = os.path.join(wdir, "solution.py")
         with open(path, "w") as f:
             f.write(sol)
         sources = [path]
-    if _refused(sources, cfg, v):
+    if _refused(sources, cfg, v, cpp, (EXTENSION,) if form == "c" else ()):
         return None
     guard_library(cfg)  # built once per torch; every candidate child loads it
     bytecode_cache(cfg)  # filled once per Python and torch; every child imports from it
     v.stage = "compile"
-    if form == "b":
-        with compile_gate():
-            ok, v.compile_log, sos = compile_workspace(sol, cfg)
+    if form in ("b", "c"):
+        t_build = time.perf_counter()
+        with compile_gate():  # form (c): one torch extension, only its changed sources recompiled
+            ok, v.compile_log, sos = build_extension(sol, cfg) if form == "c" else compile_kernels(sol, cfg)
+        if form == "c":
+            v.timings["build_s"] = round(time.perf_counter() - t_build, 3)  # ~0 when these sources were built before
         if not ok:
             v.error = "compile failed: " + (last_line(v.compile_log.split("\n")[0]) or "see compile_log")
             return None
@@ -334,6 +377,8 @@ def _prepare(form: str, sol, cfg: SandboxConfig, v: Verdict, compile_gate, wdir:
 
 def _run_check(src: str, solution: str, cfg: SandboxConfig, v: Verdict, compile_gate, device_gate):
     form, sol = _solution(solution)
+    form = "c" if form == "b" and is_extension_workspace(sol) else form
+    v.form = FORMS[form]
     jobdir = new_jobdir()
     try:
         wdir = os.path.join(jobdir, "w")
@@ -349,9 +394,9 @@ def _run_check(src: str, solution: str, cfg: SandboxConfig, v: Verdict, compile_
             dev = device_name(cfg.device, gpu)
             key = f"{hashlib.sha256(src.encode()).hexdigest()}|{dev}|{v.precision}"
             base = baseline_cache(cfg, key) if cfg.profile else None
-            base = base if base and base.get("timing") == BASELINE_TIMING else None  # older entries: re-timed
+            base = base if base and base.get("timing") == baseline_timing(cfg) else None  # older entries: re-timed
             if warm_spares(cfg) > 0:  # spares start while the driver loads (first check)
-                _SPARES.fill(*_spare_kind(cfg, gpu, hidden_candidate(cfg, sol if form == "b" else None)))
+                _SPARES.fill(*_spare_kind(cfg, gpu, hidden_candidate(cfg, sol if form in ("b", "c") else None)))
             t_drv = time.perf_counter()
             with driver(src, cfg, gpu) as drv:
                 v.device = drv.device_name
@@ -362,7 +407,8 @@ def _run_check(src: str, solution: str, cfg: SandboxConfig, v: Verdict, compile_
                 t_cand = time.perf_counter()
                 import torch
                 torch.save(drv.state_dict, os.path.join(wdir, "state_dict.pt"))
-                r, calls, end = _run_candidate(form, cand, wdir, jobdir, drv, cfg, gpu, sol if form == "b" else None)
+                r, calls, end = _run_candidate(form, cand, wdir, jobdir, drv, cfg, gpu,
+                                               sol if form in ("b", "c") else None)
                 v.timings.update({"driver_s": round(t_cand - t_drv, 3),  # where a check's time goes
                                   "candidate_s": round(time.perf_counter() - t_cand, 3)})
                 _judge(r, calls, end, cfg, v, form)
@@ -415,7 +461,8 @@ def _run_candidate(form, cand, wdir, jobdir, drv, cfg, gpu, ws) -> tuple[ChildRe
     job = {"kind": "candidate", "task_path": os.path.join(wdir, "task.py"), "cand_path": cand, "cand_dir": wdir,
            "device": cfg.device, "init_seed": cfg.seed, "kernels": kernels,
            "state_dict_path": os.path.join(wdir, "state_dict.pt"), "precision": precision_of(cfg),
-           "ext_dir": os.path.join(wdir, "ext") if form == "a" else None}
+           "ext_dir": os.path.join(wdir, "ext") if form == "a" else None,
+           "extension": kernels.get(EXTENSION) if form == "c" else None}
     if child is None:
         child = Child(jobdir, device=cfg.device, mem_limit_mb=cfg.mem_limit_mb, gpu=gpu, hide=hide, job=job,
                       disk_limit_mb=cfg.disk_limit_mb)

@@ -1,7 +1,9 @@
 """Builds for the sandbox: form (b) kernels compiled per file to plain shared objects (nvcc / g++, no torch
 headers; cached by every file the compiler sees), form (a) `load_inline` sources built once by an isolated
 child that sees no input (candidates run from a private copy), and the harness's own dispatch guard
-(sandbox_guard.cpp, once per torch version) and the bytecode cache of what children import.
+(sandbox_guard.cpp, once per torch version) and the bytecode cache of what children import. Form (c), the
+paper's released workspace built as one torch extension, is sandbox_extension.py's (which uses `cuda_arch` and
+`trim_log` from here); `sandbox.compile_workspace` picks between the two for a workspace.
 
 Smoke: python -m pytest tests/test_sandbox.py -q -k "compile or cache or inline"
 """

@@ -8,17 +8,22 @@ one computing child (a candidate's, or a baseline's running eager and `torch.com
   1. draw the inputs from a fresh host-private seed, possibly beyond `get_inputs`' one distribution
      (`VARIANTS`: per-tensor scale and shift, or a sparse set of outliers), in private memory, and compute
      the reference output on them; a variant on which the reference turns non-finite is drawn plain;
-  2. prepare, while the child is stopped: the inputs copied into the shared input region, the output region
+  2. on a GPU, for a timed call: continue the child, which enqueues on its stream a wait for the "go" flag, its
+     forward, the copy into the output region and the "done" flag, replies at once, and is stopped again
+     (`Driver._call_queued`; a forward that waits on the GPU falls back to step 4's order after QUEUE_WAIT_S);
+  3. prepare, while the child is stopped: the inputs copied into the shared input region, the output region
      poisoned (0xFF: NaN for floats); on a GPU also the L2's persisting lines reset and the L2 flushed, and the
      preparation timed on the driver's stream (`prep_ms`);
-  3. start the clock: cpu `perf_counter`; GPU an event E0 on the driver's stream after the "go" flag;
-  4. send "go" and continue the child; it computes from the shared inputs, copies its output into the shared
-     output region, and says "done" (on a GPU its stream writes the "done" flag first);
+  4. start the clock: cpu `perf_counter`, then "go" sent and the child continued (it computes from the shared
+     inputs, copies its output into the shared output region and says "done"); GPU an event E0 on the
+     driver's stream, then the go flag (untimed calls: then the child is continued, as on cpu);
   5. stop the clock: cpu once every thread of the child is seen stopped; GPU an event E1 on the driver's
      stream, which waits for the done flag and then reads SAMPLES random bytes of the output;
   6. compare the output region with the reference in full, check that the sampled bytes did not change after
      E1 and that the inputs are unmodified, and report the call to the host.
-The time of a call is the driver's own clock. A GPU shared between two contexts runs one at a time, so GPU
+The time of a call is the driver's own clock: on a GPU a queued call's holds the GPU work between go and done
+and no host time of either process (as events around a forward would, for a forward that does not wait on the
+GPU); eager and compile are timed the same way. A GPU shared between two contexts runs one at a time, so GPU
 work the child does while the driver prepares lengthens `prep_ms`; what exceeds the preparation's calibrated
 time (measured before any child existed) is added to the call's time.
 
@@ -42,6 +47,7 @@ TIMED_MIX = (0.5, 0.25, 0.25)  # how often a timed call draws each variant
 SAMPLES = 4096                 # output bytes the GPU clock's end reads at random (in the timed region)
 PREP_SLACK = (1.25, 0.02)      # a preparation may take 1.25 x its calibrated time + 20 us before it is charged
 DONE_GRACE_S = 2.0             # after the child's reply, how long its done flag may take to reach the driver's stream
+QUEUE_WAIT_S = 0.5             # how long a queued call's child may take to enqueue its work before it falls back
 
 
 def _name(t) -> str:
@@ -66,7 +72,7 @@ class Driver:
         self.inp = Region(self.device, layout(self.in_specs)[1], ops=self.ops)
         self.out = Region(self.device, layout(self.out_specs)[1], ops=self.ops)
         self.in_views, self.out_views = self.inp.views(self.in_specs), self.out.views(self.out_specs)
-        self.regions, self.k, self.prep_ms = [self.inp, self.out], 0, 0.0
+        self.regions, self.k, self.prep_ms, self.queue_ok, self.queue = [self.inp, self.out], 0, 0.0, {}, True
         if self.ops:
             self.flags = Region(self.device, 256, ops=self.ops)  # int32 words: [go, done]
             self.flags.bytes.zero_()
@@ -149,9 +155,11 @@ class Driver:
         e0.synchronize()
         return p0.elapsed_time(e0)
 
-    def call(self, link: Link, freezer: Freezer, req: dict, xs, timeout_s: float) -> tuple[dict | None, dict]:
+    def call(self, link: Link, freezer: Freezer, req: dict, xs, timeout_s: float,
+             queued: bool = False) -> tuple[dict | None, dict]:
         """Run one call of the child on `xs` (the child is stopped on entry and on return); returns its reply
-        (None: no reply in time or the link closed) and the timing {ms, raw_ms, prep_ms, excess_ms}."""
+        (None: no reply in time or the link closed) and the timing {ms, raw_ms, prep_ms, excess_ms, clock, ...}.
+        `queued` (GPU, timed calls): the child enqueues its work behind the go flag first (`_call_queued`)."""
         import torch
         self.k += 1
         req = {**req, "k": self.k}
@@ -167,17 +175,18 @@ class Driver:
             ms = (_perf() - t0) * 1e3
             host = {"host_ms": (_perf() - t_host) * 1e3, "stop_ms": (_perf() - t1) * 1e3}
             return reply if stopped else {"error": "the child could not be stopped"}, {"ms": ms, "raw_ms": ms, **host}
+        if queued:
+            return self._call_queued(link, freezer, req, xs, timeout_s, t_host)
         s = torch.cuda.current_stream()
         p0, e0, e1 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
         idx = torch.randint(self.out.size, (SAMPLES,), device=self.device)  # private: the child never sees it
         self.ops.reset_l2()
         p0.record()
         self._prepare(xs)
-        self.ops.write_flag(s.cuda_stream, self.flags.ptr, self.k)  # go: the inputs are in place
         e0.record()
+        self.ops.write_flag(s.cuda_stream, self.flags.ptr, self.k)  # go: the inputs are in place
         self.ops.wait_flag(s.cuda_stream, self.flags.ptr + 4, self.k)  # done: the child's stream wrote it
-        self.sample = self.out.bytes[idx]
-        self.sample_idx = idx
+        self.sample, self.sample_idx = self.out.bytes[idx], idx
         e1.record()
         t_enq = _perf()
         link.send(req)
@@ -186,8 +195,56 @@ class Driver:
         t1 = _perf()
         stopped = freezer.stop()
         t2 = _perf()
+        reply = self._finish(reply, stopped, e1, DONE_GRACE_S)
+        return reply, self._timing(p0, e0, e1, "go-first", t_host, t_enq, t1, t2)
+
+    def _call_queued(self, link: Link, freezer: Freezer, req: dict, xs, timeout_s: float, t_host: float):
+        """A timed call whose clock holds the GPU work only: the child, continued, enqueues on its stream a wait
+        for the go flag, its forward, the copy into the output region and the done flag, and replies at once
+        (no sync); it is stopped again, and only then are its inputs written, the L2 reset and flushed, and
+        E0, go, done, the output sample and E1 put on the driver's stream. Nothing the child enqueued can
+        read this call's inputs before they exist (they are written after its last instruction ran), and
+        nothing it does on the CPU overlaps the clock. A forward that waits on the GPU (a sync, .item())
+        cannot reply before go: after QUEUE_WAIT_S the call falls back to continuing the child after go, its
+        host time then inside the clock (`clock` "fallback"; after a fallback that is not a warm-up call, the
+        pairing's later calls of that function go first)."""
+        import torch
+        s = torch.cuda.current_stream()
+        p0, e0, e1 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        idx = torch.randint(self.out.size, (SAMPLES,), device=self.device)
+        t_enq = _perf()
+        link.send({**req, "queued": True})
+        freezer.cont()
+        reply = link.recv(min(QUEUE_WAIT_S, timeout_s))
+        t1 = _perf()
+        stopped = freezer.stop()
+        t2 = _perf()
+        clock = "queued" if reply is not None and reply.get("k") == self.k else "fallback"
+        if clock == "fallback" and not req.get("warm"):  # a warm-up call may be slow once (a first profile, a cache)
+            self.queue_ok[req["fn"]] = False
+        self.ops.reset_l2()
+        p0.record()
+        self._prepare(xs)
+        e0.record()
+        self.ops.write_flag(s.cuda_stream, self.flags.ptr, self.k)
+        self.ops.wait_flag(s.cuda_stream, self.flags.ptr + 4, self.k)
+        self.sample, self.sample_idx = self.out.bytes[idx], idx
+        e1.record()
+        if reply is None and stopped and not link.eof:  # still in its forward: continue it, the clock running
+            freezer.cont()
+            reply = link.recv(max(0.0, timeout_s - (_perf() - t_enq)))
+            t1 = _perf()
+            stopped = freezer.stop()
+            t2 = _perf()
+        reply = self._finish(reply, stopped, e1, max(DONE_GRACE_S, timeout_s - (_perf() - t_enq)))
+        return reply, self._timing(p0, e0, e1, clock, t_host, t_enq, t1, t2)
+
+    def _finish(self, reply: dict | None, stopped: bool, e1, grace_s: float) -> dict | None:
+        """Wait (at most grace_s) for the done flag of a call the child says it did; write the flag from the side
+        stream when no flag can come, so that the driver's stream never waits forever. The reply, or why not."""
+        import torch
         if reply is not None and reply.get("k") == self.k and stopped:  # it says done: its stream must have too
-            deadline = _perf() + DONE_GRACE_S
+            deadline = _perf() + grace_s
             while not e1.query() and _perf() < deadline:
                 time.sleep(1e-4)
             if not e1.query():
@@ -196,12 +253,14 @@ class Driver:
             with torch.cuda.stream(self.side):
                 self.flags.bytes[4:8].view(torch.int32).fill_(self.k)
         e1.synchronize()
+        return reply if stopped else {"error": "the child could not be stopped"}
+
+    def _timing(self, p0, e0, e1, clock: str, t_host: float, t_enq: float, t1: float, t2: float) -> dict:
         ms, prep = e0.elapsed_time(e1), p0.elapsed_time(e0)
         excess = max(0.0, prep - (PREP_SLACK[0] * self.prep_ms + PREP_SLACK[1]))
-        timing = {"ms": ms + excess, "raw_ms": ms, "prep_ms": prep, "excess_ms": excess,
-                  "host_ms": (_perf() - t_host) * 1e3, "enqueue_ms": (t_enq - t_host) * 1e3,
-                  "reply_ms": (t1 - t_enq) * 1e3, "stop_ms": (t2 - t1) * 1e3}
-        return (reply if stopped else {"error": "the child could not be stopped"}), timing
+        return {"ms": ms + excess, "raw_ms": ms, "prep_ms": prep, "excess_ms": excess, "clock": clock,
+                "host_ms": (_perf() - t_host) * 1e3, "enqueue_ms": (t_enq - t_host) * 1e3,
+                "reply_ms": (t1 - t_enq) * 1e3, "stop_ms": (t2 - t1) * 1e3}
 
     def judge(self, reply: dict | None, xs, ys, eof: bool = False) -> tuple[bool, str | None, dict]:
         """(ok, reason, comparison stats) of a call's output region against the reference outputs `ys`; the
@@ -224,6 +283,8 @@ class Driver:
     def pairing(self, req: dict, link_fd: int):
         import torch
         link, freezer, report = Link(link_fd), Freezer(req["root_pid"]), {"type": "pairing_end", "error": None}
+        self.queue_ok = {}  # fn -> False once a queued call of it fell back: its later calls go first
+        self.queue = bool(req.get("queued", True))  # --sandbox.gpu-clock
         if self.ops:  # a child of an earlier pairing may have written any value into the flags: they start at 0
             self.flags.bytes.zero_()
             torch.cuda.synchronize()
@@ -255,15 +316,17 @@ class Driver:
         """The baselines' rounds: fns in turn, each round `n` timed calls after its warm-up, so that a burst of
         load inflates one round of each, not a whole baseline; the host keeps each round's median."""
         n = max(5, req["iters"] // BASELINE_ROUNDS)
-        out = {fn: [] for fn in fns} | {"compile_error": None}
+        out = {fn: [] for fn in fns} | {"compile_error": None, "clocks": {fn: {} for fn in fns}}
         for r in range(BASELINE_ROUNDS):
             for fn in list(fns):
                 warm = (max(req["warmup"], 3) if fn == "compile" else req["warmup"]) if r == 0 else 1
                 times = []
                 for i in range(warm + n):
                     xs, _, _ = self.case(self._mix(), check=False)
-                    limit = req["compile_timeout_s"] if fn == "compile" and r == 0 and i == 0 else req["call_timeout_s"]
-                    reply, t = self.call(link, freezer, {"op": "call", "fn": fn}, xs, limit)
+                    first = r == 0 and i == 0  # compile's first call compiles: never queued
+                    limit = req["compile_timeout_s"] if fn == "compile" and first else req["call_timeout_s"]
+                    reply, t = self.call(link, freezer, {"op": "call", "fn": fn, "warm": i < warm}, xs, limit,
+                                         self._queued(fn, first))
                     if reply is None or reply.get("error") or reply.get("k") != self.k:
                         err = (reply or {}).get("error") or "no reply in time"
                         if fn != "compile":  # the host falls back to the cached eager baseline
@@ -273,6 +336,8 @@ class Driver:
                         break
                     if i >= warm:
                         times.append(t["ms"])
+                        if "clock" in t:
+                            out["clocks"][fn][t["clock"]] = out["clocks"][fn].get(t["clock"], 0) + 1
                 else:
                     out[fn].append(statistics.median(times))
         return out
@@ -296,8 +361,9 @@ class Driver:
         count = {}
         for phase, variant in plan:
             xs, ys, drawn = self.case(variant, check=True)
-            op = {"op": "ops" if phase == "ops" else "call", "fn": "cand"}
-            reply, t = self.call(link, freezer, op, xs, req["call_timeout_s"])
+            warm = phase == "time" and count.get(phase, -1) + 1 < req["warmup"]
+            op = {"op": "ops" if phase == "ops" else "call", "fn": "cand", "warm": warm}
+            reply, t = self.call(link, freezer, op, xs, req["call_timeout_s"], self._queued("cand", phase != "time"))
             t_judge = _perf()
             ok, reason, stats = self.judge(reply, xs, ys, link.eof)
             t["judge_ms"] = (_perf() - t_judge) * 1e3
@@ -309,6 +375,10 @@ class Driver:
             if not ok:
                 return f"{phase} {i}"
         return None
+
+    def _queued(self, fn: str, untimed: bool) -> bool:
+        """Whether a call of fn is queued (GPU timed calls, until one of fn's falls back in this pairing)."""
+        return bool(self.ops) and self.queue and not untimed and self.queue_ok.get(fn, True)
 
     def _mix(self) -> str:
         return self.rng.choices(VARIANTS, TIMED_MIX)[0]

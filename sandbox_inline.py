@@ -4,15 +4,19 @@ a sandbox child (bound beside sandbox_worker.py; like it, it imports nothing of 
 A build child (sandbox_build.build_inline: the solution imported, ModelNew constructed, no input in sight)
 compiles each load_inline call against a slim stand-in for torch's headers first and records the module; a
 candidate child imports the recorded module from its private copy of the build dir, without a compiler.
+Form (c) (sandbox_extension.py, built on the host's side): `install_extension` makes `import cuda_extension`
+load the candidate child's private copy of the built module.
 
 Smoke: python -m pytest tests/test_kernelbench_eval_e2e.py -q -k load_inline
 """
 from __future__ import annotations
 
 import hashlib
+import importlib.abc
 import importlib.util
 import json
 import os
+import sys
 
 # A stand-in for <torch/extension.h> and <torch/types.h> that a load_inline build sees first (-I comes before
 # torch's -isystem dirs): the tensor class, factory functions, dispatch macros, the CUDA stream and, for C++,
@@ -107,3 +111,13 @@ def install(ext_dir: str):
         return mod
 
     ce.load_inline = load_inline
+
+
+def install_extension(so: str, name: str = "cuda_extension"):
+    """Form (c): `import cuda_extension` in this process loads `so`, the host's build of the workspace (a private
+    copy), ahead of anything on sys.path; the module's own code first runs at that import, the candidate's."""
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path=None, target=None):
+            return importlib.util.spec_from_file_location(name, so) if fullname == name else None
+
+    sys.meta_path.insert(0, Finder())

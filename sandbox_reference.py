@@ -41,8 +41,10 @@ def precision_of(cfg: SandboxConfig) -> str:
     return ("tf32" if cfg.rtol >= 1e-3 else "fp32") if cfg.precision == "auto" else cfg.precision
 
 
-BASELINE_TIMING = "driver clock"  # how baselines are timed (a baseline child under a driver, as candidates are);
-# a cache entry timed any other way is timed again
+def baseline_timing(cfg: SandboxConfig) -> str:
+    """How baselines are timed (a baseline child under a driver, as candidates are, with --sandbox.gpu-clock on a
+    GPU); a cache entry timed any other way is timed again."""
+    return f"driver clock, {cfg.gpu_clock}" if cfg.device == "cuda" else "driver clock"
 
 
 _NAMES: dict = {}
@@ -355,7 +357,8 @@ def baseline_entry(b: dict, precision: str, device: str, old: dict | None = None
     return {"eager_ms": min(eager), "eager_rounds": eager, "compile_ms": min(comp) if comp else None,
             "compile_rounds": comp or [], "compile_error": b.get("compile_error"), "runs": old.get("runs", 0) + 1,
             "spread": (max(eager) - min(eager)) / min(eager) if min(eager) > 0 else 0.0,
-            "precision": precision, "device": device, "timing": BASELINE_TIMING}
+            "precision": precision, "device": device, "timing": b["timing"],
+            "clocks": b.get("clocks")}  # the last run's timed calls by clock (GPU: "queued" unless forward syncs)
 
 
 def time_baselines(drv: Driver, src: str, cfg: SandboxConfig, gpu) -> dict:
@@ -382,7 +385,7 @@ def time_baselines(drv: Driver, src: str, cfg: SandboxConfig, gpu) -> dict:
         shutil.rmtree(jobdir, ignore_errors=True)
     if end.get("error") or not end.get("eager"):
         raise TaskError(f"baseline run failed: {end.get('error') or (r.result or {}).get('error') or r.error}")
-    return end
+    return {**end, "timing": baseline_timing(cfg)}
 
 
 def _request(cfg: SandboxConfig, role: str, eager: bool = False) -> dict:
@@ -390,7 +393,7 @@ def _request(cfg: SandboxConfig, role: str, eager: bool = False) -> dict:
     return {"role": role, "eager": eager, "n_trials": cfg.n_trials, "warmup": cfg.warmup, "iters": cfg.iters,
             "profile": cfg.profile, "call_timeout_s": cfg.run_timeout_s, "attach_timeout_s": cfg.run_timeout_s,
             "load_timeout_s": cfg.run_timeout_s + cfg.compile_timeout_s,
-            "compile_timeout_s": cfg.run_timeout_s + cfg.compile_timeout_s}
+            "compile_timeout_s": cfg.run_timeout_s + cfg.compile_timeout_s, "queued": cfg.gpu_clock == "queued"}
 
 
 def baselines(task: str, cfg: SandboxConfig, gpu: int | None = None) -> dict:
@@ -400,7 +403,7 @@ def baselines(task: str, cfg: SandboxConfig, gpu: int | None = None) -> dict:
     prec, dev = precision_of(cfg), device_name(cfg.device, gpu)
     key = f"{hashlib.sha256(src.encode()).hexdigest()}|{dev}|{prec}"
     hit = baseline_cache(cfg, key)
-    if hit and hit.get("timing") == BASELINE_TIMING:
+    if hit and hit.get("timing") == baseline_timing(cfg):
         return hit
     with driver(src, cfg, gpu) as drv:
         end = time_baselines(drv, src, cfg, gpu)
@@ -430,7 +433,7 @@ def prewarm(tasks: list[str], cfg: SandboxConfig, workers: int = 8, gpus: list[i
     for t in tasks:
         src = read_task(t)
         h = hashlib.sha256(src.encode()).hexdigest()
-        if cfg.profile and (baseline_cache(cfg, f"{h}|{dev}|{prec}") or {}).get("timing") != BASELINE_TIMING:
+        if cfg.profile and (baseline_cache(cfg, f"{h}|{dev}|{prec}") or {}).get("timing") != baseline_timing(cfg):
             todo[h] = src
     out: dict[str, str | None] = {}
 

@@ -134,6 +134,7 @@ INTROSPECTION = re.compile(
     r"sandbox_guard|CUDA_AGENT_GUARD|DispatchKey|dispatch_key|_dispatch_tls|redispatch|TESTING_ONLY|"
     r"PythonDispatcher|python_dispatcher")
 HARNESS_NAMES = {"load_kernel", "ptr", "stream"}  # all that `from sandbox_worker import ...` may take
+EXTENSION_MODULE = "cuda_extension"  # form (c)'s one module, built from the workspace's C++ (sandbox_extension.py)
 
 
 # Modules a candidate may import. Kernels must be the candidate's own (compiled by the sandbox, or built
@@ -247,6 +248,19 @@ def _compute_call(node: ast.Call, alias: dict, libs: set, init: bool, rules: str
             not name.startswith(("math.", "np.", "numpy.", "os.", "ctypes.")):
         return f".{method}()"
     return None
+
+
+def cpp_scan(text: str, name: str, rules: str = "cuda-agent") -> str | None:
+    """The static scan of a C++ / CUDA source file of form (c) (a kernel, a binding, a header: they include
+    torch's headers), as load_inline strings are scanned in form (a): harness introspection, torch compute, kernels
+    called around the dispatcher. Comments are left out."""
+    code = re.sub(r"//[^\n]*|/\*.*?\*/", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.S)
+    m = INTROSPECTION.search(code)
+    if m:
+        line = code.count("\n", 0, m.start()) + 1
+        return f"static scan: harness introspection {m.group(0)!r} ({name}, line {line}) is not allowed"
+    bad = _cpp_violation(code, rules)
+    return bad and bad.replace("static scan: C++", f"static scan: {name}", 1)
 
 
 def _cpp_violation(text: str, rules: str) -> str | None:
@@ -384,11 +398,14 @@ def static_scan(source: str, allow_imports: tuple[str, ...] = (), rules: str = "
         bad = _escape_call(node, alias, allow_imports) if isinstance(node, ast.Call) else None
         if bad:
             return f"static scan: {bad} (line {node.lineno}) is not allowed: it steps around the rules"
-    # Names bound to a compiled library (`lib = load_kernel("k")`, `ctypes.CDLL(...)`): `lib.mm(...)` is the
-    # candidate's own launcher, not a tensor method, and must not trip the METHODS_BAD rule.
+    # Names bound to a compiled library (`lib = load_kernel("k")`, `ctypes.CDLL(...)`, form (c)'s `import
+    # cuda_extension`): `lib.mm(...)` is the candidate's own launcher, not a tensor method, and must not trip the
+    # METHODS_BAD rule.
     libs = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call)
             and _dotted(n.value.func).rsplit(".", 1)[-1] in ("load_kernel", "CDLL", "LoadLibrary")
             for t in n.targets if isinstance(t, ast.Name)}
+    libs |= {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
+             if a.name == EXTENSION_MODULE}
     regions = live_regions(tree)
     for fn, nodes in regions:
         where = "module import" if fn is None else getattr(fn, "name", "lambda")
@@ -530,7 +547,10 @@ def timing(calls: list, end: dict, base: dict, v, cfg, retime):
                       # the driver's wall time of a call and its parts (where a check's seconds go)
                       **{f"call_{k}_median": statistics.median(c.get(k) or 0.0 for c in timed)
                          for k in ("host_ms", "enqueue_ms", "reply_ms", "stop_ms", "judge_ms")},
-                      "variants": {k: sum(c.get("variant") == k for c in timed) for k in ("plain", "affine", "heavy")}})
+                      "variants": {k: sum(c.get("variant") == k for c in timed) for k in ("plain", "affine", "heavy")},
+                      # GPU: calls whose clock held GPU work only ("queued"), or the forward's host time too
+                      "clocks": {k: n for k in ("queued", "fallback", "go-first")
+                                 if (n := sum(c.get("clock") == k for c in timed))}})
     beside = end.get("eager") or None  # eager timed in the candidate's child, when it came
     cached = base["compile_ms"] if beside else base["eager_ms"]  # the baseline a tier would rest on
     if cached and cand_ms < 0.95 * cached and base.get("runs", 1) < 2:  # ... measured in a single run
@@ -538,7 +558,7 @@ def timing(calls: list, end: dict, base: dict, v, cfg, retime):
         v.timings["baseline_retimed"] = True
     v.timings.update({"baseline": f"min of {len(base['eager_rounds'])} round medians over {base['runs']} run(s)",
                       "eager_spread": round(base.get("spread", 0.0), 4), "eager_cached_ms": base["eager_ms"],
-                      "compile_error": base.get("compile_error")})
+                      "compile_error": base.get("compile_error"), "baseline_clocks": base.get("clocks")})
     eager_ms = base["eager_ms"]
     if beside:  # the same statistic over eager's rounds in the candidate's child, just before its import
         eager_ms = min(beside)

@@ -224,16 +224,19 @@ class Freezer:
             return True
         seen: set = set()
         deadline = time.monotonic() + timeout_s
+        todo = self._tree()
         while time.monotonic() < deadline:
-            pids = self._tree()
-            for p in pids:
-                if p not in seen:
-                    try:
-                        os.kill(p, signal.SIGSTOP)
-                    except OSError:
-                        pass
-                    seen.add(p)
-            if all(self._stopped(p) for p in pids) and set(self._tree()) <= seen:
+            for p in todo:
+                try:
+                    os.kill(p, signal.SIGSTOP)
+                except OSError:
+                    pass
+            seen.update(todo)
+            while not all(self._stopped(p) for p in seen):  # only thread states are polled here ...
+                if time.monotonic() > deadline:
+                    return False
+            todo = [p for p in self._tree() if p not in seen]  # ... and the tree walked once they all stopped
+            if not todo:
                 self.pids, self.frozen = sorted(seen), True
                 return True
         return False

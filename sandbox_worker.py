@@ -294,9 +294,10 @@ class _Shared:
 
 
 def _compute(fn, sh: _Shared, req: dict, device: str, guard_cls) -> dict:
-    """One call: (on a GPU, once the driver's go flag is up) forward on the shared inputs, the output copied into
-    the shared output, (GPU: the done flag written behind it on the same stream, then a sync). The reply to the
-    driver; a candidate's forward runs under the dispatch guard (and, for "ops", the profiler)."""
+    """One call: (on a GPU, behind a wait for the driver's go flag) forward on the shared inputs, the output copied
+    into the shared output, (GPU: the done flag written behind it on the same stream, then a sync unless the
+    call is "queued", whose go comes only after the reply). The reply to the driver; a candidate's forward runs
+    under the dispatch guard (and, for "ops", the profiler)."""
     import torch
     k = req["k"]
     stream = torch.cuda.current_stream().cuda_stream if sh.ops else None
@@ -336,7 +337,8 @@ def _compute(fn, sh: _Shared, req: dict, device: str, guard_cls) -> dict:
         dst.copy_(y)
     if sh.ops:
         sh.ops.write_flag(stream, sh.flags + 4, k)
-    _sync()
+    if not req.get("queued"):  # queued: the driver writes the inputs and raises go only after this reply
+        _sync()
     reply = {"k": k, "kind": kind}
     if prof is not None:
         ops = sorted({e.name for e in prof.events() if e.name.startswith("aten::")})
@@ -410,6 +412,8 @@ def _load(job: dict, task, guard_cls, snapshot, fns: dict) -> dict:
     import torch
     if job.get("ext_dir"):  # form (a): load_inline imports what the build child built (a private copy)
         sandbox_inline.install(job["ext_dir"])
+    if job.get("extension"):  # form (c): `import cuda_extension` loads the host's build of the workspace (a copy)
+        sandbox_inline.install_extension(job["extension"])
     try:
         model = _load_candidate(job, task, guard_cls)
     except PermissionError as e:

@@ -26,6 +26,7 @@ Bench: python scripts/bench_synth.py --n-candidates 240 --workers 8   (per-filte
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -45,6 +46,7 @@ from demos import write_demos
 from env import EpisodeState, resolve_device
 from policy import PolicyConfig, make_policy
 from sandbox import SandboxConfig
+from sandbox_ray import RayPool
 from synth_filters import FILTERS, kernelbench_refs, run_chunk, static_filters
 from synth_ops import call_op, catalogue_report, instantiate, mine_catalogue
 from tasks import source_hash
@@ -73,8 +75,8 @@ class SynthConfig:
     """master seed; candidate i uses its own RNG seeded by (seed, i), and its inputs the seed itself"""
     sandbox: SandboxConfig = field(default_factory=_synth_sandbox)
     """where and how the execution filters run: device (auto | cpu | cuda), mem_limit_mb (one child),
-    warmup/iters (eager and compiled timing), atol/rtol (nondegenerate and runs_compile); its other fields do
-    not apply here"""
+    warmup/iters (eager and compiled timing), atol/rtol (nondegenerate and runs_compile), ray_address (the
+    chunks run on a Ray cluster's lanes, sandbox_ray.py); its other fields do not apply here"""
     scale: str = "auto"
     """tensor sizes and runtime window: cuda (1-100 ms, real sizes) | cpu (0.02-50 ms, small) | auto (= device)"""
     min_ms: float | None = None
@@ -97,7 +99,7 @@ class SynthConfig:
     use_transformers: bool = True
     """mine transformers activations/norms/MLPs (standalone tasks) when transformers is importable"""
     workers: int = 2
-    """parallel isolated filter processes"""
+    """parallel isolated filter processes (with --sandbox.ray-address: on each lane)"""
     chunk: int = 8
     """candidates per isolated child (amortizes torch import and compile warm-up)"""
     timeout_s: float = 900.0
@@ -470,8 +472,13 @@ def main(cfg: SynthConfig) -> int:
 
     bar = tqdm(total=cfg.n_candidates, initial=len(progress), desc="synth", unit="cand") if cfg.progress else None
     flush()
-    with ThreadPoolExecutor(max(1, cfg.workers)) as ex:
-        pending = {ex.submit(run_chunk, [cands[i]["code"] for i in ch], job, sb, cfg.timeout_s, cfg.workers): ch
+    # --sandbox.ray-address: each chunk's run_chunk runs on a lane of the Ray cluster (no warm spares: synth's
+    # children are its own), `workers` of them on each lane
+    ray_pool = RayPool(replace(sb, warm_spares=0)) if sb.ray_address and chunks else None
+    run = ray_pool.call if ray_pool else (lambda fn, *args: fn(*args))
+    with ray_pool or contextlib.nullcontext(), \
+            ThreadPoolExecutor(max(1, cfg.workers) * (len(ray_pool.lanes) if ray_pool else 1)) as ex:
+        pending = {ex.submit(run, run_chunk, [cands[i]["code"] for i in ch], job, sb, cfg.timeout_s, cfg.workers): ch
                    for ch in chunks}
         while pending:
             done, _ = wait(pending, return_when=FIRST_COMPLETED)

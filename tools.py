@@ -1,7 +1,10 @@
 """The agent's tools (paper §3.2) and its workspace: schemas, implementations, and the text it reads.
 
-  * `make_workspace`: model.py (the reference, read-only), a model_new.py + kernels/ scaffold in the
-    sandbox's workspace format (cpu: kernels/*.cpp with OpenMP; cuda: kernels/*.cu), INSTRUCTIONS.md.
+  * `make_workspace`: model.py (the reference, read-only), a model_new.py + kernels/ scaffold in one of the
+    sandbox's workspace forms (cpu: kernels/*.cpp with OpenMP; cuda: kernels/*.cu), INSTRUCTIONS.md. Layout
+    "ctypes" (default, form b): plain kernels loaded through ctypes; "cuda_extension" (form c): the paper's
+    released workspace, kernels/NAME.cu + kernels/NAME_binding.cpp + binding.cpp + binding_registry.h built
+    into one torch extension that model_new.py imports.
   * `TOOLS` (OpenAI function-calling schemas) and `check_args`: bash, read_file, write_file, edit_file,
     glob, grep, compile, verify, profile, finish. The file tools go through workspace.py: every workspace
     file is attacker-controlled, so a link, FIFO, device or socket is refused with an error observation
@@ -13,8 +16,9 @@
   * `prompt(name)`: the prompts, instructions and scaffold, read from data/prompts/.
 
 Departures from the paper
-  1. Kernels are plain C++/CUDA with extern "C" launchers loaded through ctypes (the sandbox's format),
-     not torch extensions with *_binding.cpp; compile/verify/profile are tools, not scripts in the workspace.
+  1. By default kernels are plain C++/CUDA with extern "C" launchers loaded through ctypes (a per-kernel
+     rebuild is ~1 s), not the released torch extension with *_binding.cpp (layout "cuda_extension", which
+     the sandbox builds too); compile/verify/profile are tools, not scripts in the workspace.
   2. bash runs under bubblewrap; the paper ran agents in containers.
 
 Smoke: python -m pytest -q tests/test_env.py tests/test_env_files.py
@@ -58,8 +62,17 @@ def truncate(s: str, n: int) -> str:
 # --------------------------------------------------------------------------------------------------
 
 
-def make_workspace(ws: str, task_src: str, device: str, kernel: str = "kernel", tol: float = 1e-2) -> str:
-    """Fresh workspace directory in the sandbox's workspace format."""
+LAYOUTS = ("ctypes", "cuda_extension")  # make_workspace's workspace forms (b and c in sandbox.py)
+# layout "cuda_extension": workspace file -> prompt file ({name}, {ext} filled in)
+_EXT_FILES = {"model_new.py": "scaffold_ext_model_new.py", "binding.cpp": "scaffold_ext_binding.cpp",
+              "binding_registry.h": "scaffold_ext_registry.h", "kernels/{name}.{ext}": "scaffold_ext_kernel.{ext}",
+              "kernels/{name}_binding.cpp": "scaffold_ext_kernel_binding.cpp"}
+
+
+def make_workspace(ws: str, task_src: str, device: str, kernel: str = "kernel", tol: float = 1e-2,
+                   layout: str = "ctypes") -> str:
+    """Fresh workspace directory in one of the sandbox's workspace forms (LAYOUTS)."""
+    assert layout in LAYOUTS, f"workspace layout {layout!r}: one of {', '.join(LAYOUTS)}"
     ext = "cu" if device == "cuda" else "cpp"
     if os.path.lexists(ws):
         _make_writable(ws)
@@ -68,16 +81,22 @@ def make_workspace(ws: str, task_src: str, device: str, kernel: str = "kernel", 
     with open(os.path.join(ws, "model.py"), "w") as f:
         f.write(task_src)
     os.chmod(os.path.join(ws, "model.py"), 0o444)
-    with open(os.path.join(ws, "model_new.py"), "w") as f:
-        f.write(prompt("scaffold_model_new.py").format(name=kernel, ext=ext))
-    with open(os.path.join(ws, "kernels", f"{kernel}.{ext}"), "w") as f:
-        f.write(prompt(f"scaffold_kernel.{ext}"))
+    fill = lambda s: s.replace("{name}", kernel).replace("{ext}", ext)  # noqa: E731
+    if layout == "cuda_extension":
+        for rel, name in _EXT_FILES.items():
+            with open(os.path.join(ws, fill(rel)), "w") as f:
+                f.write(fill(prompt(fill(name))))
+    else:
+        with open(os.path.join(ws, "model_new.py"), "w") as f:
+            f.write(prompt("scaffold_model_new.py").format(name=kernel, ext=ext))
+        with open(os.path.join(ws, "kernels", f"{kernel}.{ext}"), "w") as f:
+            f.write(prompt(f"scaffold_kernel.{ext}"))
     rule = ("cuBLAS (GEMM) and cuDNN (convolution) may be called from your .cu files." if ext == "cu" else
             "This is the CPU backend: use C++ with OpenMP (`#pragma omp parallel for`); BLAS is not linked.")
     with open(os.path.join(ws, "INSTRUCTIONS.md"), "w") as f:
-        f.write(prompt("instructions.md").replace("{kernel_rule}", rule)
-                .replace("{lang}", "CUDA C++" if ext == "cu" else "C++").replace("{ext}", ext)
-                .replace("{tol}", f"{tol:g}"))
+        f.write(prompt("instructions_cuda_extension.md" if layout == "cuda_extension" else "instructions.md")
+                .replace("{kernel_rule}", rule).replace("{lang}", "CUDA C++" if ext == "cu" else "C++")
+                .replace("{ext}", ext).replace("{tol}", f"{tol:g}"))
     return ws
 
 

@@ -7,7 +7,8 @@ pool) -> reward (reward.py, Eq. 1) -> score -> GAE -> PPO update -> log. Math an
 
 Ablations (one flag each; the default is the paper's recipe): --rft-steps 0, --value-pretrain-steps 0,
 --env.reward speedup, --env.max-turns 1 (stages 2 and 4 single-turn), --kl-coef, --lora-rank, --lora-targets,
---tis-cap (truncated importance sampling against the sampler-trainer gap; off, as in the paper).
+--tis-cap (truncated importance sampling against the sampler-trainer gap; off, as in the paper). A control, not
+an ablation: --permute-rewards (stage 4 trains on its rewards dealt out to other trajectories of the step).
 
 Departures from the paper
   1. LoRA (rank 16 in the paper preset, both adapters on one frozen base) and hence our own learning rates,
@@ -65,6 +66,7 @@ import ppo
 import reward
 import runlog
 import sandbox
+import sandbox_ray
 import tasks as tasks_mod
 from runlog import STAGES
 from train_config import TrainConfig
@@ -129,6 +131,22 @@ def local_share(n: int) -> int:
     6 x 170 = 1020). The updates normalise by the count over all ranks, so unequal shares are exact."""
     rank, world = rank_world()
     return n // world + (rank < n % world)
+
+
+def permuted_rewards(rewards: list[float], key: str) -> list[float]:
+    """--permute-rewards (stage 4 control): the same rewards dealt out at random so that no trajectory keeps its
+    own: a uniform derangement, drawn by rejection (about e draws), seeded by `key` ("seed:permute:stage:step",
+    the same on every rank and after a resume). Not any permutation: with one, a trajectory keeps its own reward
+    with probability 1/n, and the reward it trains on still carries 1/n of its own outcome. One reward: no other
+    to swap with, returned as it is."""
+    n = len(rewards)
+    if n < 2:
+        return list(rewards)
+    rng = random.Random(key)
+    while True:
+        perm = rng.sample(range(n), n)
+        if all(p != i for i, p in enumerate(perm)):
+            return [rewards[p] for p in perm]
 
 
 def deal(tasks: list, demos: list, n: int, fraction: float, key: str) -> tuple[list, list]:
@@ -338,7 +356,11 @@ def ppo_iteration(run: Run, stage: int, step: int, trajs: list | None = None, si
                                     trajs, stage=stage, step=step)
     # 2) reward: Eq. 1 milestone (or --env.reward speedup) of each final verdict, on the last policy token
     rewards = [reward.reward_from_verdict(t.final_verdict, cfg.env.reward) for t in trajs]
-    b_ids, b_attn, b_mask, b_rewards = ppo.collate([t.ids for t in trajs], [t.mask for t in trajs], rewards,
+    learn = rewards  # what GAE sees; the logs and the rollouts keep each episode's own
+    if stage == 4 and cfg.permute_rewards:  # control: the step's rewards dealt out over all ranks' trajectories
+        first = sum(all_ranks([len(rewards)])[:rank])
+        learn = permuted_rewards(all_ranks(rewards), f"{cfg.seed}:permute:{stage}:{step}")[first:first + len(rewards)]
+    b_ids, b_attn, b_mask, b_rewards = ppo.collate([t.ids for t in trajs], [t.mask for t in trajs], learn,
                                                    run.pad_id, run.device)                       # (B, T) each
     run.logger.phase("update")
     # 3) score: old values (critic), old log-probs (actor, recomputed by the trainer), reference log-probs
@@ -360,6 +382,8 @@ def ppo_iteration(run: Run, stage: int, step: int, trajs: list | None = None, si
     lam = cfg.lam if train_actor else cfg.value_lam
     b_adv, b_returns = ppo.compute_gae(b_rewards, b_values, b_mask, cfg.gamma, lam)               # (B, T) each
     m = {**rollout_metrics(trajs, rewards, t_gen)} if fresh else {}
+    if learn is not rewards:
+        m["reward_moved_share"] = sum(a != b for a, b in zip(learn, rewards)) / max(len(rewards), 1)
     m.update(ppo.score_stats(b_values, b_returns, b_adv, b_mask) | gap)
     if cfg.whiten_advantages:
         b_adv = ppo.whiten_advantages(b_adv, b_mask)
@@ -600,10 +624,10 @@ def train(cfg: TrainConfig) -> int:
     print(f"[ppo] {len(tasks)} tasks, {len(demos)} demonstrations ({cfg.demo_fraction:.0%} of stage-1/2 batches, "
           f"flagged source=demo), device {device}, rank {rank}/{world}", flush=True)
     gpus = cfg.sandbox_gpus[rank::world] if cfg.sandbox_gpus else None
-    if cfg.sandbox.device == "cuda" and device.type == "cuda" and not gpus:
+    if cfg.sandbox.device == "cuda" and device.type == "cuda" and not gpus and not cfg.sandbox.ray_address:
         print("[ppo] WARNING: no --sandbox-gpus: kernels are timed on GPU 0 next to training (noisy rewards)")
-    pool = sandbox.SandboxPool(dataclasses.replace(cfg.sandbox, seed=cfg.seed), gpus=gpus,
-                               cpu_slots=cfg.sandbox_cpu_slots)
+    pool = sandbox_ray.make_pool(dataclasses.replace(cfg.sandbox, seed=cfg.seed), gpus=gpus,  # --sandbox.ray-address:
+                                 cpu_slots=cfg.sandbox_cpu_slots)                            # the cluster's lanes
     if cfg.sandbox.device == "cuda" and cfg.sandbox_prewarm > 0:  # nothing is timed yet: compile in parallel
         t0 = time.time()
         warmed = pool.prewarm([t.code for t in tasks[rank::world]], cfg.sandbox_prewarm)

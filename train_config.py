@@ -43,6 +43,11 @@ class TrainConfig:
     """bf16 weights and activations (GPU)"""
     grad_checkpointing: bool = False
     """gradient checkpointing of the base model (GPU, long contexts)"""
+    offload_activations: bool = False
+    """PPO and SFT updates: keep what each forward saves for its backward in host memory, pinned, until the
+    backward (`ppo.offload_activations`; the scoring pass saves nothing). With --grad-checkpointing that is each
+    decoder layer's input, T x hidden per layer: 24 GiB at 131,072 tokens on Qwen3-30B-A3B. Ours (the paper
+    does not say how its 128k-token trajectories fit); off: on the GPU"""
     max_new_tokens: int = 96
     """tokens sampled per assistant turn"""
     temperature: float = 1.0
@@ -152,6 +157,12 @@ class TrainConfig:
     the tasks it passed in some but not all of them (`mixed_tasks`; none such: all tasks); 0 = all tasks.
     Ours (the paper's 6K tasks are not filtered this way); like DAPO's dynamic sampling, which drops prompts
     whose samples all pass or all fail: such a batch gives PPO no contrast to learn from"""
+    permute_rewards: bool = False
+    """stage 4 control, not training: before GAE, deal each step's Eq. 1 rewards out among its trajectories at
+    random, no trajectory keeping its own (`permuted_rewards`, seeded by --seed and the step): the same rewards
+    and batch statistics, none tied to the episode that earned it. Beside --lr-actor 0 (a frozen actor) it
+    separates learning from the reward from drift of the update itself (scripts/stage4_control.sh); off: the
+    paper"""
     checkpoint_every: int = 1
     """write a checkpoint every N steps (and at the end of each stage)"""
     verbose: bool = False

@@ -5,28 +5,39 @@ built from its config on the GPU in bf16: nothing is downloaded. LoRA actor + cr
 ppo.add_actor_critic_adapters (attention + fused experts through peft target_parameters), so this measures
 the code `train` runs: the phases of train.ppo_iteration (ppo.score: old log-probs at the policy tokens and
 values; ppo.compute_gae; ppo.ppo_update: one clipped actor step and one critic step, gradient checkpointing),
-for each trajectory length in --seqs, with --batch trajectories of that length, --micro per forward.
-Optionally (--gen-batch N) first one HF `generate` call with the actor adapter. Also times compute_gae on
---gae-tokens policy tokens (on the GPU and on the CPU).
+for each trajectory length in --seqs, with --batch trajectories of that length, --micro per forward, once per
+--offload mode (off: activations on the GPU; on: --offload-activations, ppo.offload_activations, what the
+update saves for its backward waits in pinned host memory). Scoring runs without autograd and saves nothing,
+so the flag does not change it: its rows under "on" repeat the measurement. Before the rows, one unreported
+warm-up row (--warmup-seq tokens) compiles the kernels and allocates the AdamW state, so every row holds it,
+as every training step after the first does. Optionally (--gen-batch N) first one HF `generate` call with the
+actor adapter. Also times compute_gae on --gae-tokens policy tokens (on the GPU and on the CPU).
 
-Reports one JSON line per phase as it finishes and the whole result at the end (also written to
-$OUT/bench_ppo.json when $OUT is set, after every phase, so a run stopped by a time limit keeps what it did):
-tokens/s and peak GPU memory of each phase.
+Each phase of each row is caught on its own: one that runs out of GPU memory is recorded with the exception's
+message and the memory at the failure (weights, adapters, gradients, AdamW state, and the rest: activations),
+and the next row runs. Reports one JSON line per phase as it finishes and the whole result at the end (also
+written to $OUT/bench_ppo.json when $OUT is set, after every phase, so a run stopped by a time limit keeps what
+it did): tokens/s, peak GPU memory and its breakdown of each phase, GiB moved to host per forward.
 
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python scripts/bench_ppo.py --seqs 32768 65536 131072 \
+        --batch 1 1 1 --micro 1 1 1 --offload on off    # one trajectory of 32k, 64k, 128k tokens, offload on
+                                                        # and off (estimated 7-9 min on one H200)
     python scripts/bench_ppo.py --seqs 32768 65536 --batch 2 1 --micro 2 1   # the 32k / 64k rows
     python scripts/bench_ppo.py --seqs 4096 --batch 4 --micro 1               # 4 x 4k tokens
-    python scripts/bench_ppo.py --cpu-dry-run --seqs 256 512 --batch 2 1 --micro 2 1   # test this script
+    python scripts/bench_ppo.py --device cpu --seqs 256 512 --batch 2 1 --micro 2 1 --offload off on  # test it
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import sys
 import time
 
 import torch
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ppo  # noqa: E402
@@ -92,12 +103,70 @@ def live_by_site(top: int = 12) -> list[tuple[str, float]]:
     return [(k, round(v / 2 ** 30, 2)) for k, v in sorted(sites.items(), key=lambda kv: -kv[1])[:top]]
 
 
-def main() -> int:
+def gib(n: float) -> float:
+    return round(n / 2 ** 30, 2)
+
+
+def tensors_bytes(ts) -> int:
+    """Bytes of distinct storages among tensors ts (a tensor reached twice counts once)."""
+    seen, n = set(), 0
+    for t in ts:
+        if t is not None and t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            n += t.untyped_storage().nbytes()
+    return n
+
+
+def memory(model, head, opt: dict, dev: torch.device) -> dict:
+    """Where the GPU memory is now (GiB): frozen weights, LoRA adapters + value head, gradients, AdamW state,
+    and on CUDA what the allocator holds; `activations_GiB` = allocated - those four (saved activations and
+    transients), `peak_activations_GiB` the same at the phase's peak (against the four as they are now)."""
+    train = [p for n, p in model.named_parameters() if "lora_" in n] + list(head.parameters())
+    ids = {id(p) for p in train}
+    static = {"weights_GiB": tensors_bytes(p for p in model.parameters() if id(p) not in ids),
+              "adapters_GiB": tensors_bytes(train),
+              "grads_GiB": tensors_bytes(p.grad for p in train),
+              "optimizer_GiB": tensors_bytes(v for o in opt.values() for st in o.state.values()
+                                             for v in st.values() if torch.is_tensor(v) and v.dim() > 0)}
+    out = {k: gib(v) for k, v in static.items()}
+    if dev.type == "cuda":
+        st, total = torch.cuda.memory_stats(), sum(static.values())
+        out.update(allocated_GiB=gib(st["allocated_bytes.all.current"]),
+                   activations_GiB=gib(st["allocated_bytes.all.current"] - total),
+                   peak_GiB=gib(st["allocated_bytes.all.peak"]),
+                   peak_activations_GiB=gib(st["allocated_bytes.all.peak"] - total),
+                   reserved_GiB=gib(st["reserved_bytes.all.current"]),
+                   inactive_split_GiB=gib(st.get("inactive_split_bytes.all.current", 0)),
+                   num_alloc_retries=st.get("num_alloc_retries", 0), num_ooms=st.get("num_ooms", 0),
+                   device_total_GiB=gib(torch.cuda.get_device_properties(dev).total_memory))
+        try:  # the pinned host allocator (where --offload-activations puts the saved tensors)
+            hst = torch.cuda.host_memory_stats()
+            out["host_pinned_peak_GiB"] = gib(hst.get("allocated_bytes.peak", 0))
+        except Exception:  # noqa: BLE001 - older torch: no host allocator statistics
+            pass
+    return out
+
+
+def reset_host_peak(dev: torch.device) -> None:
+    if dev.type == "cuda" and hasattr(torch.cuda, "reset_peak_host_memory_stats"):
+        try:
+            torch.cuda.reset_peak_host_memory_stats()
+        except Exception:  # noqa: BLE001 - a diagnostic must not end the bench
+            pass
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                    help="cuda: the A3B shape; cpu: a scaled-down shape, to test this script")
+    ap.add_argument("--cpu-dry-run", action="store_true", help="the same as --device cpu")
     ap.add_argument("--layers", type=int, default=48, help="decoder layers kept (48 = full size)")
     ap.add_argument("--seqs", type=int, nargs="+", default=[4096], help="tokens per trajectory, one row each")
     ap.add_argument("--batch", type=int, nargs="+", default=[4], help="trajectories per row (one per --seqs)")
     ap.add_argument("--micro", type=int, nargs="+", default=[1], help="trajectories per forward (one per --seqs)")
+    ap.add_argument("--offload", nargs="+", choices=["off", "on"], default=["off"],
+                    help="--offload-activations modes, each row once per mode, in this order")
+    ap.add_argument("--warmup-seq", type=int, default=2048, help="tokens of the unreported warm-up row (0 = none)")
     ap.add_argument("--prompt-frac", type=float, default=0.25, help="share of each trajectory that is prompt")
     ap.add_argument("--gen-batch", type=int, default=0, help="prompts for one generate call first (0 = skip)")
     ap.add_argument("--prompt", type=int, default=1024, help="prompt tokens for generation")
@@ -108,27 +177,30 @@ def main() -> int:
     ap.add_argument("--no-grad-ckpt", action="store_true")
     ap.add_argument("--mem-sites", action="store_true", help="record CUDA allocations: on OOM and after a probe "
                     "forward, print the live GiB per code site")
-    ap.add_argument("--cpu-dry-run", action="store_true", help="a scaled-down shape on CPU, to test this script")
     ap.add_argument("--out", default=None, help="also write the JSON result here (default: $OUT/bench_ppo.json)")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     assert len(a.seqs) == len(a.batch) == len(a.micro), "--seqs, --batch and --micro take one value per row"
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    dev = torch.device("cpu" if a.cpu_dry_run or a.device == "cpu" else "cuda")
     shape = {**QWEN3_30B_A3B, "num_hidden_layers": a.layers}
-    if a.cpu_dry_run:
+    if dev.type == "cpu":
         shape.update(vocab_size=1024, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2)
+        ppo.OFFLOAD_MIN_BYTES = 0  # the tiny shape's saved tensors are all small: move them anyway, to test it
     else:
-        assert torch.cuda.is_available(), "needs a GPU (or --cpu-dry-run)"
-    dev = torch.device("cpu" if a.cpu_dry_run else "cuda")
+        assert torch.cuda.is_available(), "needs a GPU (or --device cpu)"
     out = a.out or (os.path.join(os.environ["OUT"], "bench_ppo.json") if os.environ.get("OUT") else None)
-    res = {"gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (dry run)", "rows": []}
+    res = {"gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (dry run)", "torch": torch.__version__,
+           "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), "rows": []}
+    t_start = time.time()
 
     def save(line: dict) -> None:
         print(json.dumps(line), flush=True)
+        res["elapsed_s"] = round(time.time() - t_start, 1)
         if out:
             os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-            with open(out, "w") as f:
+            with open(out + ".tmp", "w") as f:
                 json.dump(res, f, indent=1)
+            os.replace(out + ".tmp", out)
 
     # GAE first: cheap, and independent of the model
     res["gae"] = {"tokens": a.gae_tokens, "cpu_s": round(time_gae(a.gae_tokens, torch.device("cpu")), 4),
@@ -154,7 +226,8 @@ def main() -> int:
                grad_ckpt=not a.no_grad_ckpt, experts_impl=str(getattr(conf, "_experts_implementation", None)),
                build_s=round(time.time() - t0, 1), weights_GiB=peak_gib(dev))
     save({k: v for k, v in res.items() if k != "rows"})
-    cfg = dataclasses.replace(train_config.PRESETS["paper"], ppo_epochs=1, num_minibatches=1)
+    cfg = dataclasses.replace(train_config.PRESETS["paper"], ppo_epochs=1, num_minibatches=1,
+                              grad_checkpointing=not a.no_grad_ckpt)
     opt = ppo.make_optimizers(model, head, cfg)
 
     if a.gen_batch > 0:  # rollout: generation with the actor adapter (KV cache, sampling)
@@ -177,69 +250,112 @@ def main() -> int:
     mem_sites = a.mem_sites and dev.type == "cuda"
     if mem_sites:
         torch.cuda.memory._record_memory_history(max_entries=200000, stacks="python")
+    if a.warmup_seq > 0:  # kernels compiled and AdamW state allocated before the first reported row
+        warm = {"seq": a.warmup_seq, "batch": 1, "micro": 1, "offload": False}
+        run_row(a, warm, lambda line: None, model, head, opt, cfg, conf, dev, False)
+        res["warmup"] = {k: v for k, v in warm.items() if k in ("seq", "score_s", "update_s") or "_oom" in k
+                         or "_error" in k}
+        save({"warmup": res["warmup"]})
     for seq, batch, micro in zip(a.seqs, a.batch, a.micro):
-        try:
-            run_row(a, res, save, model, head, opt, cfg, conf, dev, seq, batch, micro, mem_sites)
-        except torch.OutOfMemoryError as e:
-            row = res["rows"][-1] if res["rows"] and res["rows"][-1]["seq"] == seq else {"seq": seq}
-            row.update(oom=str(e).split(".")[0], oom_allocated_GiB=round(torch.cuda.memory_allocated() / 2 ** 30, 1))
-            if mem_sites:
-                row["oom_sites"] = live_by_site()
-            if row not in res["rows"]:
-                res["rows"].append(row)
-            save({"row": row})
+        for mode in a.offload:
+            row = {"seq": seq, "batch": batch, "micro": micro, "offload": mode == "on"}
+            res["rows"].append(row)
+            run_row(a, row, save, model, head, opt, cfg, conf, dev, mem_sites)
+    print("\n| seq | batch x micro | offload | score tok/s | score peak GiB | update tok/s | update peak GiB | "
+          "host GiB per forward |")
+    for r in res["rows"]:
+        print(f"| {r['seq']} | {r['batch']} x {r['micro']} | {'on' if r['offload'] else 'off'} | "
+              f"{r.get('score_tok_s', 'OOM' if 'score_oom' in r else '-')} | {r.get('score_peak_GiB', '-')} | "
+              f"{r.get('update_tok_s', 'OOM' if 'update_oom' in r else '-')} | {r.get('update_peak_GiB', '-')} | "
+              f"{r.get('update_offload_GiB', '-')} |")
+    print(f"GAE on {a.gae_tokens} tokens: {res['gae']}; {res['elapsed_s']} s in all")
+    errors = [(r["seq"], k, v) for r in res["rows"] for k, v in r.items() if k.endswith("_error")]
+    for e in errors:
+        print("error (not out of memory):", *e)
+    return 1 if errors else 0
+
+
+def phase(name: str, row: dict, save, model, head, opt, dev: torch.device, mem_sites: bool, fn) -> bool:
+    """Run fn() as phase `name` of `row` (score or update): its seconds, tokens/s, peak and memory breakdown. An
+    error is recorded in the row instead of ending the bench: `{name}_oom` for running out of GPU memory, else
+    `{name}_error` (main then exits 1), with the message and the memory at the failure. True if it ran."""
+    reset_peak(dev)
+    reset_host_peak(dev)
+    sync(dev)
+    t = time.time()
+    try:
+        fn()
+        sync(dev)
+        dt = time.time() - t
+        row.update({f"{name}_s": round(dt, 1), f"{name}_tok_s": round(row["batch"] * row["seq"] / dt, 1),
+                    f"{name}_peak_GiB": peak_gib(dev), f"{name}_mem": memory(model, head, opt, dev)})
+        ok = True
+    except Exception as e:  # noqa: BLE001 - recorded; the frames of the failed phase are alive: memory at the failure
+        oom = isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e) or "ALLOC_FAILED" in str(e)
+        row.update({f"{name}_oom" if oom else f"{name}_error": f"{type(e).__name__}: {str(e)[:400]}",
+                    f"{name}_s": round(time.time() - t, 1), f"{name}_mem": memory(model, head, opt, dev)})
+        if mem_sites and oom:
+            row[f"{name}_oom_sites"] = live_by_site()
+        ok = False
+    if not ok:  # free what the failed phase left (gradients, the exception's frames) before the next one
         for o in opt.values():
             o.zero_grad(set_to_none=True)
+        gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    print("\n| seq | batch x micro | score tok/s | score peak GiB | update tok/s | update peak GiB |")
-    for r in res["rows"]:
-        print(f"| {r['seq']} | {r.get('batch')} x {r.get('micro')} | {r.get('score_tok_s')} | "
-              f"{r.get('score_peak_GiB')} | {r.get('update_tok_s', r.get('oom', '-'))} | {r.get('update_peak_GiB')} |")
-    print(f"GAE on {a.gae_tokens} tokens: {res['gae']}")
-    return 0
+    save({"row": row})
+    return ok
 
 
-def run_row(a, res, save, model, head, opt, cfg, conf, dev, seq: int, batch: int, micro: int, mem_sites: bool):
-    """One row: --batch trajectories of `seq` tokens, scored then updated (micro-batches of `micro`)."""
-    cfg = dataclasses.replace(cfg, micro_batch_size=micro)
+def run_row(a, row: dict, save, model, head, opt, cfg, conf, dev, mem_sites: bool) -> None:
+    """One row: row["batch"] trajectories of row["seq"] tokens, scored then updated (micro-batches of
+    row["micro"]), with --offload-activations as row["offload"] says."""
+    seq, batch, micro = row["seq"], row["batch"], row["micro"]
+    cfg = dataclasses.replace(cfg, micro_batch_size=micro, offload_activations=row["offload"])
     g = torch.Generator().manual_seed(seq)
     ids = [torch.randint(0, conf.vocab_size, (seq,), generator=g).tolist() for _ in range(batch)]
     n_prompt = int(seq * a.prompt_frac)
     masks = [[0] * n_prompt + [1] * (seq - n_prompt)] * batch  # a prompt, then policy tokens
     b_ids, b_attn, b_mask, b_rewards = ppo.collate(ids, masks, [float(i % 4) - 1.0 for i in range(batch)], 0,
-                                                   dev)
-    row = {"seq": seq, "batch": batch, "micro": micro, "policy_tokens": batch * (seq - n_prompt)}
+                                                   dev)                                          # (B, T) each
+    row["policy_tokens"] = batch * (seq - n_prompt)
     model.train()
-    # 2-4) score (old log-probs at the policy tokens, values) + GAE + whitening
-    reset_peak(dev)
-    sync(dev)
-    t = time.time()
-    b_values, b_logp, _ = ppo.score(model, head, b_ids, b_attn, micro, cfg.temperature, b_mask=b_mask)
-    b_adv, b_returns = ppo.compute_gae(b_rewards, b_values, b_mask, cfg.gamma, cfg.lam)
-    b_adv = ppo.whiten_advantages(b_adv, b_mask)
-    sync(dev)
-    row.update(score_s=round(time.time() - t, 1), score_tok_s=round(batch * seq / (time.time() - t), 1),
-               score_peak_GiB=peak_gib(dev))
-    res["rows"].append(row)
-    save({"row": row})
+    sc = {}
+
+    def score():  # 2-4) old log-probs at the policy tokens, values (B, T); GAE + whitening
+        b_values, b_logp, _ = ppo.score(model, head, b_ids, b_attn, micro, cfg.temperature, b_mask=b_mask)
+        b_adv, b_returns = ppo.compute_gae(b_rewards, b_values, b_mask, cfg.gamma, cfg.lam)
+        sc.update(b_values=b_values, b_logp=b_logp, b_adv=ppo.whiten_advantages(b_adv, b_mask), b_returns=b_returns)
+
+    if not phase("score", row, save, model, head, opt, dev, mem_sites, score):
+        row["update_error" if "score_error" in row else "update_oom"] = "not run: scoring failed"
+        save({"row": row})
+        return
     if mem_sites:  # where a forward with autograd keeps memory (one micro-batch of the actor)
         base_gib = torch.cuda.memory_allocated() / 2 ** 30
         rows_ = torch.arange(min(micro, batch), device=dev)
-        lp, _ = ppo.actor_logprobs(model, b_ids[rows_], b_attn[rows_], with_entropy=True, mask=b_mask[rows_])
-        row["probe_fwd_kept_GiB"] = round(torch.cuda.memory_allocated() / 2 ** 30 - base_gib, 2)
-        row["probe_fwd_sites"] = live_by_site(8)
-        del lp, _
+        try:
+            with ppo.offload_activations(cfg.offload_activations):
+                lp, _ = ppo.actor_logprobs(model, b_ids[rows_], b_attn[rows_], with_entropy=True, mask=b_mask[rows_])
+            row["probe_fwd_kept_GiB"] = round(torch.cuda.memory_allocated() / 2 ** 30 - base_gib, 2)
+            row["probe_fwd_sites"] = live_by_site(8)
+            del lp, _
+        except torch.OutOfMemoryError as e:
+            row["probe_fwd_oom"] = str(e)[:200]
+        gc.collect()
         save({"row": row})
-    # 5) one PPO update: actor (clipped loss, entropy) + critic (value loss), one optimizer step each
-    reset_peak(dev)
-    t = time.time()
-    st = ppo.ppo_update(model, head, opt, cfg, b_ids, b_attn, b_mask, b_logp, b_values, b_adv, b_returns,
-                        n_global=batch)
-    sync(dev)
-    row.update(update_s=round(time.time() - t, 1), update_tok_s=round(batch * seq / (time.time() - t), 1),
-               update_peak_GiB=peak_gib(dev), stats={k: round(v, 4) for k, v in st.items()})
-    save({"row": row})
+
+    def update():  # 5) one PPO update: actor (clipped loss, entropy) + critic (value loss), one AdamW step each
+        st = ppo.ppo_update(model, head, opt, cfg, b_ids, b_attn, b_mask, sc["b_logp"], sc["b_values"], sc["b_adv"],
+                            sc["b_returns"], n_global=batch)
+        row["stats"] = {k: round(v, 4) for k, v in st.items()}
+        if "offload_GiB" in st:
+            row["update_offload_GiB"] = round(st["offload_GiB"], 6)  # copied to host per forward (mean)
+
+    phase("update", row, save, model, head, opt, dev, mem_sites, update)
+    sc.clear()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
 #
 #   scripts/device_run.sh env gpu-tests sandbox      # pick sections; default: all, in the order below
 #
-# Sections: env, gpu-tests, cpu-suite, sandbox, kb-baselines, kb-samples, synth, generate, generate-a3b, ppo,
+# Sections: env, gpu-tests, cpu-suite, sandbox, sandbox-base, kb-baselines, kb-samples, synth, generate, generate-a3b, ppo,
 # train-tiny, train-ddp. Each section runs under its own time limit; logs go to $OUT/device$TAG.log, JSON
 # results to $OUT/results$TAG.tgz. KernelBench problem files are read from .carry/KernelBench (not committed:
 # the user supplies a checkout).
@@ -59,6 +59,10 @@ if want cpu-suite; then  # the CPU adversarial suite on this image's Python/torc
 fi
 if want sandbox; then
   section sandbox "${T_SBX:-420}" python3 scripts/bench_sandbox.py --device cuda ${SBX_ARGS:-} --out "$RES/bench_sandbox.json"
+fi
+if want sandbox-base; then  # the same bench in an older tree (BASE, e.g. `git archive REV | tar -x -C .carry/base`)
+  section sandbox-base "${T_SBX:-420}" env CUDA_AGENT_CACHE=/tmp/cuda_agent_cache_base$TAG bash -c \
+    "cd ${BASE:-.carry/base} && python3 scripts/bench_sandbox.py --device cuda ${SBX_ARGS:-} --out $RES/bench_sandbox_base.json"
 fi
 if want kb-baselines; then
   section kb-baselines "${T_KBB:-420}" python3 scripts/bench_kernelbench_baselines.py --kernelbench-dir "$KB" --level 1 \

@@ -1,129 +1,196 @@
-"""Stage 4 against its frozen-actor control (scripts/stage4_control.sh): per run the probe, correct episodes
-per step, half counts and rewards, per-task halves, wall time; per seed the pairing checks (same probe, same
-task order, where the paired episodes first differ), whether each actor moved from the stage-3 checkpoint,
-and the statistics (difference of the half-to-half rises against its binomial sd; paired episodes that one
-arm passed and the other failed, exact sign test).
+"""Stage 4 against its two controls (scripts/stage4_control.sh): "trained" (the defaults), "control" (a frozen
+actor, --lr-actor 0) and "permuted" (--permute-rewards: each step's rewards dealt out to other trajectories).
 
-  python scripts/stage4_control_report.py ROOT      (ROOT/sN/{base,trained,control}, N the seed)
+Per run: the probe, correct episodes per step, half counts and rewards, per-task halves, wall time. Per seed and
+control arm: the pairing checks (same probe, same task order, where the paired episodes first differ) and the
+episodes one arm passed and the other failed (a description: episodes of one run are not independent draws);
+whether each actor moved from the stage-3 checkpoint.
+
+The statistic, one number per run: the pass-rate rise, pass rate in the second half of stage 4's steps minus in
+the first. Per seed, trained rise - permuted rise and trained rise - frozen rise. Across seeds the seed is the
+unit (its episodes share one actor's history, so they are not pooled as independent draws): the mean
+difference, its standard error over seeds, t with n - 1 degrees of freedom, and the exact two-sided sign-flip
+p (under "no learning from the reward" each seed's difference is as likely negative as positive; n seeds
+cannot give a p below 2 / 2^n).
+
+  python scripts/stage4_control_report.py ROOT      (ROOT/sN/{base,trained,control,permuted}, N the seed)
 """
-import json, glob, os, re, sys, math
+from __future__ import annotations
+
+import glob
+import itertools
+import json
+import math
+import os
+import re
+import sys
+
 import torch
 
-root = sys.argv[1]
-NAMES = {"aa0f1c45": "S", "96c6a4af": "M", "5db118b4": "E", "c3837eaa": "L"}
+NAMES = {"aa0f1c45": "S", "96c6a4af": "M", "5db118b4": "E", "c3837eaa": "L"}  # the tiny preset's four tasks
+ARMS = ("trained", "control", "permuted")
+LABEL = {"trained": "trained", "control": "frozen", "permuted": "permuted"}
 
-def rows(d, pat):
+
+def rows(d: str, pat: str) -> list[list[dict]]:
+    """One list of rollout records per file of d/rollouts matching pat, in step order."""
     out = []
     for f in sorted(glob.glob(f"{d}/rollouts/{pat}")):
-        out.append([json.loads(l) for l in open(f)])
+        with open(f) as fh:
+            out.append([json.loads(line) for line in fh])
     return out
 
-def wall(log):
-    m = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (\S+)", open(log).read()) if os.path.exists(log) else None
+
+def wall(log: str) -> str:
+    text = open(log).read() if os.path.exists(log) else ""
+    m = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (\S+)", text)
     return m.group(1) if m else "?"
 
-def run(d):
+
+def load_run(d: str) -> dict:
+    """Stage 4 of one run directory: per step the correctness, reward, task letter and token ids of each episode."""
     steps = rows(d, "s4_*.jsonl")
-    probe = rows(d, "probe_s4_*.jsonl")
     tasks = json.load(open(f"{d}/stage4_tasks.json")) if os.path.exists(f"{d}/stage4_tasks.json") else {}
-    ok = [[bool((r.get("final_verdict") or {}).get("correct")) for r in s] for s in steps]
-    rw = [[r["final_reward"] for r in s] for s in steps]
-    names = [[NAMES.get(r["task"][:8], r["task"][:8]) for r in s] for s in steps]
-    met = [json.loads(l) for l in open(f"{d}/metrics.jsonl")]
-    m4 = [m for m in met if m["stage"] == 4]
-    return dict(ok=ok, rw=rw, names=names, probe=probe, tasks=tasks, m4=m4,
-                ids=[[tuple(r["ids"]) for r in s] for s in steps])
+    met = [json.loads(line) for line in open(f"{d}/metrics.jsonl")] if os.path.exists(f"{d}/metrics.jsonl") else []
+    return dict(ok=[[bool((r.get("final_verdict") or {}).get("correct")) for r in s] for s in steps],
+                rw=[[r["final_reward"] for r in s] for s in steps],
+                names=[[NAMES.get(r["task"][:8], r["task"][:8]) for r in s] for s in steps],
+                ids=[[r["ids"] for r in s] for s in steps], mask=[[r["mask"] for r in s] for s in steps],
+                tasks=tasks, m4=[m for m in met if m.get("stage") == 4])
 
-def actor(d):
-    ck = torch.load(f"{d}/checkpoint.pt", map_location="cpu", weights_only=False)
-    return ck["stage"], ck["step"], ck["actor"]
 
-res = {}
-for sd in sorted(glob.glob(f"{root}/s*/")):
-    seed = os.path.basename(sd.rstrip("/"))
-    for arm in ("trained", "control"):
-        d = os.path.join(sd, arm)
-        if not os.path.exists(f"{d}/rollouts") or not glob.glob(f"{d}/rollouts/s4_*.jsonl"):
-            continue
-        r = run(d)
-        r["wall"] = wall(os.path.join(sd, f"{arm}.log"))
-        res[(seed, arm)] = r
-        n = len(r["ok"]); h = n // 2
-        c = [sum(s) for s in r["ok"]]
-        a, b = sum(c[:h]), sum(c[h:])
-        na, nb = sum(len(s) for s in r["ok"][:h]), sum(len(s) for s in r["ok"][h:])
-        ra = sum(sum(s) for s in r["rw"][:h]) / max(na, 1); rb = sum(sum(s) for s in r["rw"][h:]) / max(nb, 1)
-        pt = {}
-        for i, (ss, oo) in enumerate(zip(r["names"], r["ok"])):
-            for t, o in zip(ss, oo):
-                x = pt.setdefault(t, [0, 0, 0, 0]); x[0 if i < h else 2] += o; x[1 if i < h else 3] += 1
-        probe = r["tasks"].get("probe", {})
-        chosen = set(r["tasks"].get("tasks", []))
-        ps = " ".join(f"{NAMES.get(k[:8], k[:8])} {v[0]}{'*' if k in chosen else ''}" for k, v in probe.items())
-        kl = [m.get("kl_ref") for m in r["m4"]]
-        print(f"{seed} {arm:8s} steps={n} wall={r['wall']} probe[{ps}] correct/step={' '.join(map(str, c))} "
-              f"halves {a}/{na} -> {b}/{nb}  reward {ra:+.2f} -> {rb:+.2f}  pass {sum(c)}/{na+nb}={sum(c)/max(na+nb,1):.2f} "
-              f"reward/step={' '.join(f'{sum(x)/len(x):+.2f}' for x in r['rw'])} "
-              f"per-task {', '.join(f'{t} {x[0]}/{x[1]}->{x[2]}/{x[3]}' for t, x in sorted(pt.items()))} "
-              f"kl_ref max {max(k for k in kl if k is not None):.3f}")
-    # pairing checks
-    t, c = res.get((seed, "trained")), res.get((seed, "control"))
-    if t and c:
-        same_tasks = [a == b for a, b in zip(t["names"], c["names"])]
-        same_ids = [sum(x == y for x, y in zip(a, b)) for a, b in zip(t["ids"], c["ids"])]
-        print(f"   pairing {seed}: probe equal={t['tasks'].get('probe') == c['tasks'].get('probe')} "
-              f"task order equal per step={all(same_tasks)} identical episodes (token ids) per step={same_ids}")
-        # episode-level discordance, steps >= 1
-        tc = sum(x and not y for a, b in zip(t["ok"], c["ok"]) for x, y in zip(a, b))
-        ct = sum(y and not x for a, b in zip(t["ok"], c["ok"]) for x, y in zip(a, b))
-        print(f"   discordant pairs {seed}: trained-only correct {tc}, control-only correct {ct}")
-        TR = rows(os.path.join(sd, "trained"), "s4_*.jsonl"); CR = rows(os.path.join(sd, "control"), "s4_*.jsonl")
-        pol = []
-        for a, b in zip(TR, CR):
-            k = 0
-            for x, y in zip(a, b):
-                n = next((i for i, (p, q) in enumerate(zip(x["ids"], y["ids"])) if p != q), None)
-                k += n is not None and (x["mask"][n] == 1 or y["mask"][n] == 1)
-            pol.append(k)
-        print(f"   episodes whose first differing token is a sampled (policy) token, per step {seed}: {pol}")
-    if os.path.exists(f"{sd}/base/checkpoint.pt"):
-        s0, st0, a0 = actor(f"{sd}/base")
-        for arm in ("trained", "control"):
-            if os.path.exists(f"{sd}/{arm}/checkpoint.pt"):
-                s1, st1, a1 = actor(f"{sd}/{arm}")
-                diff = max((a1[k] - a0[k]).abs().max().item() for k in a0)
-                print(f"   actor {seed} {arm}: checkpoint stage {s1} step {st1}, max |w - w_stage3| = {diff:.3g}")
+def halves(ok: list[list[bool]]) -> tuple[int, int, int, int]:
+    """(correct, episodes) in the first half of the steps, then in the second (an odd step goes to the second)."""
+    h = len(ok) // 2
+    return (sum(map(sum, ok[:h])), sum(map(len, ok[:h])), sum(map(sum, ok[h:])), sum(map(len, ok[h:])))
 
-# pooled statistics
-from math import comb, sqrt
-def sign_p(k, n):  # two-sided exact sign test
-    if n == 0: return 1.0
-    m = max(k, n - k)
-    return min(1.0, 2 * sum(comb(n, i) for i in range(m, n + 1)) / 2 ** n)
-seeds = sorted({s for s, _ in res if (s, "trained") in res and (s, "control") in res  # both arms, as many steps
-                and len(res[(s, "trained")]["ok"]) == len(res[(s, "control")]["ok"])})
-tot = dict(at=0, bt=0, ac=0, bc=0, n=0, tc=0, ct=0, tc2=0, ct2=0)
-for s in seeds:
-    t, c = res[(s, "trained")], res[(s, "control")]
-    h = len(t["ok"]) // 2
-    at, bt = sum(map(sum, t["ok"][:h])), sum(map(sum, t["ok"][h:]))
-    ac, bc = sum(map(sum, c["ok"][:h])), sum(map(sum, c["ok"][h:]))
-    n = sum(map(len, t["ok"][:h]))
-    p = (at + bt + ac + bc) / (4 * n)
-    sd = sqrt(4 * n * p * (1 - p))  # sd of (bt-at)-(bc-ac) with 4 independent Bin(n, p) halves
+
+def rise(ok: list[list[bool]]) -> float:
+    """Pass rate in the second half of the steps minus in the first: one run's statistic."""
+    a, na, b, nb = halves(ok)
+    return b / max(nb, 1) - a / max(na, 1)
+
+
+def sign_flip_p(xs: list[float]) -> float:
+    """Exact two-sided sign-flip test of mean(xs) = 0: the share of the 2^n sign patterns whose |mean| is at least
+    the observed one (each x is as likely negative as positive under the null)."""
+    if not xs:
+        return 1.0
+    obs = abs(sum(xs)) - 1e-12
+    flips = itertools.product((1, -1), repeat=len(xs))
+    return sum(abs(sum(s * x for s, x in zip(signs, xs))) >= obs for signs in flips) / 2 ** len(xs)
+
+
+def across_seeds(diffs: list[float]) -> dict:
+    """Mean of the per-seed differences, sd and standard error over seeds, t (n - 1 df), sign-flip p."""
+    n = len(diffs)
+    mean = sum(diffs) / n if n else float("nan")
+    sd = math.sqrt(sum((x - mean) ** 2 for x in diffs) / (n - 1)) if n > 1 else float("nan")
+    se = sd / math.sqrt(n) if n > 1 else float("nan")
+    t = mean / se if n > 1 and se > 0 else float("nan")
+    return dict(n=n, mean=mean, sd=sd, se=se, t=t, df=n - 1, positive=sum(x > 0 for x in diffs), p=sign_flip_p(diffs),
+                p_min=2 / 2 ** n if n else 1.0)
+
+
+def describe(seed: str, arm: str, r: dict) -> str:
+    """One line per run: what the old report printed for the trained and frozen arms."""
+    c = [sum(s) for s in r["ok"]]
+    a, na, b, nb = halves(r["ok"])
+    h = len(r["ok"]) // 2
+    ra = sum(map(sum, r["rw"][:h])) / max(na, 1)
+    rb = sum(map(sum, r["rw"][h:])) / max(nb, 1)
+    pt: dict[str, list[int]] = {}
+    for i, (ss, oo) in enumerate(zip(r["names"], r["ok"])):
+        for t, o in zip(ss, oo):
+            x = pt.setdefault(t, [0, 0, 0, 0])
+            x[0 if i < h else 2] += o
+            x[1 if i < h else 3] += 1
+    chosen = set(r["tasks"].get("tasks", []))
+    probe = " ".join(f"{NAMES.get(k[:8], k[:8])} {v[0]}{'*' if k in chosen else ''}"
+                     for k, v in r["tasks"].get("probe", {}).items())
+    kl = [m["kl_ref"] for m in r["m4"] if m.get("kl_ref") is not None]
+    return (f"{seed} {LABEL[arm]:8s} steps={len(c)} wall={r['wall']} probe[{probe}] "
+            f"correct/step={' '.join(map(str, c))} halves {a}/{na} -> {b}/{nb} (rise {rise(r['ok']):+.3f})  "
+            f"reward {ra:+.2f} -> {rb:+.2f}  "
+            f"pass {sum(c)}/{na + nb}={sum(c) / max(na + nb, 1):.2f} "
+            f"per-task {', '.join(f'{t} {x[0]}/{x[1]}->{x[2]}/{x[3]}' for t, x in sorted(pt.items()))}"
+            + (f" kl_ref max {max(kl):.3f}" if kl else ""))
+
+
+def pairing(seed: str, t: dict, c: dict, arm: str) -> None:
+    """The paired episodes of trained and one control arm: same probe, same task order, where they part."""
+    same_tasks = all(a == b for a, b in zip(t["names"], c["names"]))
+    same_ids = [sum(x == y for x, y in zip(a, b)) for a, b in zip(t["ids"], c["ids"])]
+    pol = []  # episodes whose first differing token is a sampled (policy) token, per step
+    for ia, ib, ma, mb in zip(t["ids"], c["ids"], t["mask"], c["mask"]):
+        k = 0
+        for x, y, mx, my in zip(ia, ib, ma, mb):
+            n = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), None)
+            k += n is not None and (mx[n] == 1 or my[n] == 1)
+        pol.append(k)
     tc = sum(x and not y for a, b in zip(t["ok"], c["ok"]) for x, y in zip(a, b))
     ct = sum(y and not x for a, b in zip(t["ok"], c["ok"]) for x, y in zip(a, b))
-    tc2 = sum(x and not y for a, b in zip(t["ok"][h:], c["ok"][h:]) for x, y in zip(a, b))
-    ct2 = sum(y and not x for a, b in zip(t["ok"][h:], c["ok"][h:]) for x, y in zip(a, b))
-    print(f"{s}: trained {at}->{bt} ({bt-at:+d}), control {ac}->{bc} ({bc-ac:+d}), difference of rises {(bt-at)-(bc-ac):+d} "
-          f"(binomial sd {sd:.1f}); trained vs control overall {at+bt} vs {ac+bc} of {2*n}; paired discordant "
-          f"{tc}:{ct} (sign p={sign_p(tc, tc+ct):.2f}), second half {tc2}:{ct2}")
-    for k, v in dict(at=at, bt=bt, ac=ac, bc=bc, n=n, tc=tc, ct=ct, tc2=tc2, ct2=ct2).items(): tot[k] += v
-if seeds:
-    n, p = tot["n"], (tot["at"] + tot["bt"] + tot["ac"] + tot["bc"]) / (4 * tot["n"])
-    sd = sqrt(4 * n * p * (1 - p))
-    print(f"pooled {len(seeds)} seeds: trained {tot['at']}->{tot['bt']} ({tot['bt']-tot['at']:+d}), control {tot['ac']}->{tot['bc']} "
-          f"({tot['bc']-tot['ac']:+d}); difference of rises {(tot['bt']-tot['at'])-(tot['bc']-tot['ac']):+d} (binomial sd {sd:.1f}, "
-          f"z={((tot['bt']-tot['at'])-(tot['bc']-tot['ac']))/sd:.2f}); paired discordant {tot['tc']}:{tot['ct']} "
-          f"(sign p={sign_p(tot['tc'], tot['tc']+tot['ct']):.2f}), second half {tot['tc2']}:{tot['ct2']} "
-          f"(sign p={sign_p(tot['tc2'], tot['tc2']+tot['ct2']):.2f})")
+    print(f"   {seed} trained vs {LABEL[arm]}: probe equal={t['tasks'].get('probe') == c['tasks'].get('probe')} "
+          f"task order equal={same_tasks} identical episodes per step={same_ids} first difference at a sampled "
+          f"token per step={pol}; passed by trained only {tc}, by {LABEL[arm]} only {ct}")
+
+
+def actor_moves(sd: str, seed: str) -> None:
+    """max |w - w_stage3| of each arm's final actor against the stage-3 checkpoint (frozen: exactly 0)."""
+    if not os.path.exists(f"{sd}/base/checkpoint.pt"):
+        return
+    a0 = torch.load(f"{sd}/base/checkpoint.pt", map_location="cpu", weights_only=False)["actor"]
+    for arm in ARMS:
+        if os.path.exists(f"{sd}/{arm}/checkpoint.pt"):
+            ck = torch.load(f"{sd}/{arm}/checkpoint.pt", map_location="cpu", weights_only=False)
+            diff = max((ck["actor"][k] - a0[k]).abs().max().item() for k in a0)
+            print(f"   {seed} {LABEL[arm]}: checkpoint stage {ck['stage']} step {ck['step']}, max |w - w_stage3| = "
+                  f"{diff:.3g}")
+
+
+def main(root: str) -> dict:
+    """Print the report; return {"seeds": {seed: {arm: rise, difference: ...}}, "trained-permuted": across_seeds,
+    "trained-frozen": across_seeds}."""
+    res: dict[tuple[str, str], dict] = {}
+    for sd in sorted(glob.glob(f"{root}/s*/")):
+        seed = os.path.basename(sd.rstrip("/"))
+        for arm in ARMS:
+            d = os.path.join(sd, arm)
+            if glob.glob(f"{d}/rollouts/s4_*.jsonl"):
+                res[(seed, arm)] = {**load_run(d), "wall": wall(os.path.join(sd, f"{arm}.log"))}
+                print(describe(seed, arm, res[(seed, arm)]))
+        for arm in ARMS[1:]:
+            if (seed, "trained") in res and (seed, arm) in res:
+                pairing(seed, res[(seed, "trained")], res[(seed, arm)], arm)
+        actor_moves(sd, seed)
+
+    # the statistic per run, then per seed the differences; a seed counts where both arms ran as many steps
+    print("\nper seed: pass-rate rise (2nd half - 1st half of stage 4) of each arm, and the differences")
+    out: dict = {"seeds": {}}
+    diffs: dict[str, list[float]] = {"trained-permuted": [], "trained-frozen": []}
+    for seed in sorted({s for s, _ in res}):
+        rises = {LABEL[a]: rise(res[(seed, a)]["ok"]) for a in ARMS if (seed, a) in res}
+        line = {**rises}
+        t = res.get((seed, "trained"))
+        for arm, key in (("permuted", "trained-permuted"), ("control", "trained-frozen")):
+            c = res.get((seed, arm))
+            if t and c and len(t["ok"]) == len(c["ok"]):
+                line[key] = rises["trained"] - rises[LABEL[arm]]
+                diffs[key].append(line[key])
+        out["seeds"][seed] = line
+        print(f"{seed}: " + ", ".join(f"{k} {v:+.3f}" for k, v in line.items()))
+    print("\nacross seeds (the seed is the unit):")
+    for key, xs in diffs.items():
+        s = across_seeds(xs)
+        out[key] = s
+        if s["n"]:
+            print(f"{key}: mean {s['mean']:+.3f} over {s['n']} seeds ({s['positive']} positive), sd {s['sd']:.3f}, "
+                  f"se {s['se']:.3f}, t = {s['t']:.2f} ({s['df']} df), sign-flip p = {s['p']:.3f} (smallest "
+                  f"possible with {s['n']} seeds: {s['p_min']:.3f})")
+        else:
+            print(f"{key}: no seed with both arms over the same steps")
+    return out
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

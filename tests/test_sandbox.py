@@ -669,5 +669,5 @@ def test_prewarm_fills_inductor_cache_only(tmp_path):
     inductor = tmp_path / "cache" / "inductor"
     assert any(p.is_file() for p in inductor.rglob("*")), "prewarm left the inductor cache empty"
     assert not (tmp_path / "cache" / "baselines.json").exists()
-    sandbox.baseline_cache(c, f"{h}|cpu|{sandbox.precision_of(c)}", {"eager_ms": 1.0, "timing": sandbox.BASELINE_TIMING})
+    sandbox.baseline_cache(c, f"{h}|cpu|{sandbox.precision_of(c)}", {"eager_ms": 1.0, "timing": sandbox.baseline_timing(c)})
     assert sandbox.prewarm([SOFTMAX_TASK], c) == {}

@@ -301,7 +301,7 @@ def watch():
     while True:
         x = WATCHED[0] if WATCHED else None
         if x is not None:
-            key = float(x.view(-1)[:64].sum())
+            key = float(x.numpy().reshape(-1)[:64].sum())
             if key != seen:  # new inputs in the buffer: compute their answer at once, before forward is asked
                 seen = key
                 time.sleep(0.02)
@@ -312,7 +312,7 @@ threading.Thread(target=watch, daemon=True).start()
 """
 WATCHED_BODY = """
 WATCHED[:] = [x]
-y = ANSWERS.get(float(x.view(-1)[:64].sum()))
+y = ANSWERS.get(float(x.numpy().reshape(-1)[:64].sum()))
 if y is None:
     time.sleep(0.02)
     y = torch.from_numpy(np.maximum(x.numpy(), 0))
@@ -320,6 +320,10 @@ if y is None:
 
 
 def test_a_thread_that_watches_the_input_buffers_is_stopped_until_the_clock_runs(pcfg, honest):
+    """The input region is the same buffer every call, so a thread of the candidate's could watch it and start
+    on new inputs the moment they appear; forward then returns the watcher's answer. The driver writes them
+    while the whole process is stopped, and the clock starts as it continues: the watcher's 20 ms are inside
+    the clock. (On cpu the driver continues the child right after writing, so this holds by the order of the
+    protocol; the GPU's queued calls write inputs only after the child's last instruction ran.)"""
     v = check(RELU_TASK, sol(WATCHED_BODY, head=WATCHER), pcfg)
-    if v.correct:
-        assert v.candidate_ms >= 0.75 * honest.candidate_ms, (v.candidate_ms, honest.candidate_ms)
+    assert v.correct and v.candidate_ms >= 0.75 * honest.candidate_ms, (v.candidate_ms, honest.candidate_ms)

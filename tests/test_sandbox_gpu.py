@@ -101,20 +101,40 @@ def test_honest_cuda_workspace(cfg, tmp_path):
     assert v.compiled and v.correct and reward_of(v) >= 1 and v.stage == "done", v.to_dict()
     assert v.precision == "tf32" and "H" in v.device and v.candidate_ms > 0 and v.compile_ms
     assert v.timings["checked_calls"] == cfg.warmup + cfg.iters, "every timed call is checked"
+    assert v.timings["clocks"] == {"queued": cfg.iters}, v.timings  # every timed call's clock held GPU work only
     print("honest relu:", {k: v.to_dict()[k] for k in ("eager_ms", "compile_ms", "candidate_ms", "device")})
 
 
 SPIN = "spin_k<<<1, 1, 0, S>>>(4000000LL);"  # ~2 ms
 
 
+SIDE = ("static cudaStream_t side = nullptr; static cudaEvent_t a, b;\n"
+        "if (!side) { cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking);\n"
+        "  cudaEventCreateWithFlags(&a, cudaEventDisableTiming); cudaEventCreateWithFlags(&b, cudaEventDisableTiming); }\n")
+JOINED = ("cudaEventRecord(a, st); cudaStreamWaitEvent(side, a, 0);\n"  # the side stream behind the caller's ...
+          + SPIN.replace("S", "side") + HONEST.replace("st>>>", "side>>>")
+          + "cudaEventRecord(b, side); cudaStreamWaitEvent(st, b, 0);")  # ... and the caller behind it
+UNJOINED = SPIN.replace("S", "side") + HONEST.replace("st>>>", "side>>>")  # launched at once, joined by no one
+
+
 def test_side_stream_work_is_timed(cfg, tmp_path):
+    """A side stream joined both ways is timed like the caller's stream; one joined by no one starts as soon as
+    it is launched, before the driver wrote this call's inputs (a timed call is queued), so it computes on the
+    previous call's inputs, or its output is copied before it exists: wrong, never fast."""
     twin = check(RELU_TASK, ws(tmp_path, SPIN.replace("S", "st") + HONEST, name="twin"), cfg)
-    side = ("static cudaStream_t side = nullptr;\n"
-            "if (!side) cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking);\n"
-            + SPIN.replace("S", "side") + HONEST.replace("st>>>", "side>>>"))
-    v = check(RELU_TASK, ws(tmp_path, side), cfg)
-    assert twin.correct and v.correct, (twin.to_dict(), v.to_dict())
-    assert twin.candidate_ms > 1.0 and v.candidate_ms > 0.8 * twin.candidate_ms, (twin.candidate_ms, v.candidate_ms)
+    joined = check(RELU_TASK, ws(tmp_path, SIDE + JOINED, name="joined"), cfg)
+    assert twin.correct and joined.correct, (twin.to_dict(), joined.to_dict())
+    assert twin.candidate_ms > 1.0 and joined.candidate_ms > 0.8 * twin.candidate_ms, (twin.candidate_ms, joined.candidate_ms)
+    v = check(RELU_TASK, ws(tmp_path, SIDE + UNJOINED), cfg)
+    assert not v.correct or v.candidate_ms > 0.8 * twin.candidate_ms, (twin.candidate_ms, v.to_dict())
+
+
+def test_a_forward_that_waits_on_the_gpu_is_timed_with_its_host_time(cfg, tmp_path):
+    """A sync inside forward cannot return before the driver's go: each warm-up call and the first timed call
+    fall back (after QUEUE_WAIT_S) to continuing the child after go, and the pairing's later calls go first."""
+    v = check(RELU_TASK, ws(tmp_path, HONEST + "\ncudaStreamSynchronize(st);", name="sync"), cfg)
+    assert v.correct, v.to_dict()
+    assert v.timings["clocks"] == {"fallback": 1, "go-first": cfg.iters - 1}, v.timings
 
 
 def test_uninitialised_output_sakana(cfg, tmp_path):
