@@ -100,8 +100,8 @@ def test_work_done_while_the_harness_builds_inputs_gains_nothing(pcfg, honest, w
     v = check(RELU_TASK, sol("y = STASH.pop() if STASH else torch.from_numpy(np.maximum(x.numpy(), 0))",
                              head=HOOK.format(work=work)), pcfg)
     assert reward_of(v) < 3 or v.candidate_ms >= 0.5 * honest.candidate_ms, v.to_dict()
-    if v.correct:
-        assert v.candidate_ms > 0.2 * honest.eager_ms, v.to_dict()
+    if v.correct:  # numpy's relu in forward, timed: near eager's (same check, same child), not a stash's ~0
+        assert v.candidate_ms > 0.2 * v.eager_ms, v.to_dict()
 
 
 # ----------------------------------------------------------------------------- B. forged times and messages
