@@ -160,7 +160,6 @@ class Driver:
         """Run one call of the child on `xs` (the child is stopped on entry and on return); returns its reply
         (None: no reply in time or the link closed) and the timing {ms, raw_ms, prep_ms, excess_ms, clock, ...}.
         `queued` (GPU, timed calls): the child enqueues its work behind the go flag first (`_call_queued`)."""
-        import torch
         self.k += 1
         req = {**req, "k": self.k}
         t_host = _perf()  # the driver's own wall time of the call: where a check's seconds go (not a verdict's)
@@ -177,17 +176,7 @@ class Driver:
             return reply if stopped else {"error": "the child could not be stopped"}, {"ms": ms, "raw_ms": ms, **host}
         if queued:
             return self._call_queued(link, freezer, req, xs, timeout_s, t_host)
-        s = torch.cuda.current_stream()
-        p0, e0, e1 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-        idx = torch.randint(self.out.size, (SAMPLES,), device=self.device)  # private: the child never sees it
-        self.ops.reset_l2()
-        p0.record()
-        self._prepare(xs)
-        e0.record()
-        self.ops.write_flag(s.cuda_stream, self.flags.ptr, self.k)  # go: the inputs are in place
-        self.ops.wait_flag(s.cuda_stream, self.flags.ptr + 4, self.k)  # done: the child's stream wrote it
-        self.sample, self.sample_idx = self.out.bytes[idx], idx
-        e1.record()
+        p0, e0, e1 = self._clocked(xs)
         t_enq = _perf()
         link.send(req)
         freezer.cont()
@@ -208,10 +197,6 @@ class Driver:
         cannot reply before go: after QUEUE_WAIT_S the call falls back to continuing the child after go, its
         host time then inside the clock (`clock` "fallback"; after a fallback that is not a warm-up call, the
         pairing's later calls of that function go first)."""
-        import torch
-        s = torch.cuda.current_stream()
-        p0, e0, e1 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-        idx = torch.randint(self.out.size, (SAMPLES,), device=self.device)
         t_enq = _perf()
         link.send({**req, "queued": True})
         freezer.cont()
@@ -222,14 +207,7 @@ class Driver:
         clock = "queued" if reply is not None and reply.get("k") == self.k else "fallback"
         if clock == "fallback" and not req.get("warm"):  # a warm-up call may be slow once (a first profile, a cache)
             self.queue_ok[req["fn"]] = False
-        self.ops.reset_l2()
-        p0.record()
-        self._prepare(xs)
-        e0.record()
-        self.ops.write_flag(s.cuda_stream, self.flags.ptr, self.k)
-        self.ops.wait_flag(s.cuda_stream, self.flags.ptr + 4, self.k)
-        self.sample, self.sample_idx = self.out.bytes[idx], idx
-        e1.record()
+        p0, e0, e1 = self._clocked(xs)
         if reply is None and stopped and not link.eof:  # still in its forward: continue it, the clock running
             freezer.cont()
             reply = link.recv(max(0.0, timeout_s - (_perf() - t_enq)))
@@ -238,6 +216,23 @@ class Driver:
             t2 = _perf()
         reply = self._finish(reply, stopped, e1, max(DONE_GRACE_S, timeout_s - (_perf() - t_enq)))
         return reply, self._timing(p0, e0, e1, clock, t_host, t_enq, t1, t2)
+
+    def _clocked(self, xs) -> tuple:
+        """Put a call on the driver's stream (the child stopped): the L2 reset, the preparation (timed from p0), E0,
+        the go flag, a wait for the child's done flag, SAMPLES random output bytes read, E1."""
+        import torch
+        s = torch.cuda.current_stream()
+        p0, e0, e1 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        idx = torch.randint(self.out.size, (SAMPLES,), device=self.device)  # private: the child never sees it
+        self.ops.reset_l2()
+        p0.record()
+        self._prepare(xs)
+        e0.record()
+        self.ops.write_flag(s.cuda_stream, self.flags.ptr, self.k)  # go: the inputs are in place
+        self.ops.wait_flag(s.cuda_stream, self.flags.ptr + 4, self.k)  # done: the child's stream wrote it
+        self.sample, self.sample_idx = self.out.bytes[idx], idx
+        e1.record()
+        return p0, e0, e1
 
     def _finish(self, reply: dict | None, stopped: bool, e1, grace_s: float) -> dict | None:
         """Wait (at most grace_s) for the done flag of a call the child says it did; write the flag from the side
