@@ -87,6 +87,9 @@ def print_verdict(v: dict) -> None:
     if v.get("form"):
         print(f"form      : {v['form']}")
     print(f"device    : {v.get('device')}   precision: {v.get('precision')}")
+    if lane := (v.get("timings") or {}).get("lane"):  # --sandbox.ray-address: the lane that checked and timed it
+        print(f"lane      : {lane.get('lane')} on node {lane.get('node')} ({lane.get('node_id')})"
+              + (f", GPU {lane['gpu']}" if lane.get("gpu") else ""))
     print(f"eager     : {_fmt_ms(v['eager_ms'])}")
     print(f"compile   : {_fmt_ms(v['compile_ms'])}")
     print(f"candidate : {_fmt_ms(v['candidate_ms'])}")

@@ -45,6 +45,7 @@ import glob
 import hashlib
 import os
 import shutil
+import socket
 import stat
 import tempfile
 import threading
@@ -221,12 +222,27 @@ def _lane_nodes(ray, cfg: SandboxConfig) -> list[str]:
     return [ids[i] for i in range(max(map(len, per_node), default=0)) for ids in per_node if i < len(ids)]
 
 
+def _unreachable(address: str, timeout_s: float = 10.0) -> str | None:
+    """Why nothing takes a connection at a HOST:PORT address (None: something does, or the address is "auto").
+    ray.init would retry it 20 times, ~40 s each, printing warnings, before it raised."""
+    host, sep, port = address.split("://", 1)[-1].rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        return _line(e) if str(e) else type(e).__name__
+    return None
+
+
 def connect(address: str):
     """ray.init(address) for the lanes: a copy of this checkout's top-level modules and the guard's source is
     the job's working_dir, which Ray ships to every node (runs/, data/ and tests/ stay here). RayPool calls it
     when the process is not connected yet; a program that connects itself calls this, or gives its job a
     working_dir from which `sandbox_ray` imports. SandboxError (one line) when no cluster answers there."""
     ray = _ray()
+    if why := _unreachable(address):
+        raise SandboxError(f"--sandbox.ray-address {address}: no Ray cluster there ({why})")
     code = tempfile.mkdtemp(prefix="cuda_agent_lanes_")
     try:
         for f in glob.glob(os.path.join(REPO, "*.py")) + glob.glob(os.path.join(REPO, "*.cpp")):

@@ -1,16 +1,20 @@
 """sandbox_ray.py: the sandbox pool on a Ray cluster, on a local cluster of 2 nodes x 2 CPU lanes
 (ray.cluster_utils.Cluster, cpu backend). The pool's verdicts equal the local pool's on the same candidates; a lane
 killed mid-check is replaced and its check retried, and a check lost twice is a SandboxError, never a -1; a small
-`synth` gives the local run's file byte for byte; a stage-4 step of the tiny preset runs through the real CLI.
+`synth` gives the local run's file byte for byte; a stage-4 step of the tiny preset runs through the real CLI; `check`,
+`solve` and `kernelbench_eval` run as a user runs them (a child process with --sandbox.ray-address) give the local
+run's exit code, verdicts and reward tiers, and their verdicts name the node and lane that checked them.
 Skipped without ray (an optional extra: pip install ray).
 
-Run: python -m pytest -q tests/test_sandbox_ray.py -s   (2 min on the idle 2-core box, 5 under load; -s: timings)
+Run: python -m pytest -q tests/test_sandbox_ray.py -s   (7 min on the 2-core box under load; -s: timings)
 """
 import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -18,9 +22,13 @@ import time
 
 import pytest
 
-ray = pytest.importorskip("ray")
+ray = pytest.importorskip("ray", exc_type=ImportError)  # absent, or installed without its dependencies
 from ray.cluster_utils import Cluster  # noqa: E402
 
+import tyro  # noqa: E402
+
+import cuda_agent  # noqa: E402
+import kernelbench_eval  # noqa: E402
 import reward  # noqa: E402
 import sandbox  # noqa: E402
 import sandbox_child  # noqa: E402
@@ -32,6 +40,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIX = os.path.join(ROOT, "tests", "fixtures", "sandbox")
 RELU_TASK = os.path.join(FIX, "relu_task.py")
 RELU_WS = os.path.join(FIX, "relu_ws")
+KB = os.path.join(ROOT, "tests", "fixtures", "kernelbench")
+KB_RELU = os.path.join(KB, "KernelBench", "level1", "1_Tiny_ReLU.py")
+KB_HACKED = os.path.join(KB, "samples", "level_1_problem_1_sample_1_kernel.py")  # torch.relu fallback: a violation
 
 
 def sol(body: str) -> str:
@@ -191,6 +202,149 @@ def test_a_stage4_step_of_the_tiny_preset_through_the_cli(cfg, tmp_path):
     assert len(trajs) == 2 and verdicts, trajs
     assert all(v["timings"]["lane"]["node_id"] for v in verdicts), "each verdict names the lane that timed it"
 
+
+# ----------------------------------------------------------------------------------------------------------
+# check, solve and kernelbench_eval as a user runs them: a child process with --sandbox.ray-address
+
+
+def start_cli(script: str, *args, address: str) -> subprocess.Popen:
+    """`python SCRIPT ARGS --sandbox.ray-address ADDRESS` from the repo root, started (a separate Ray driver)."""
+    argv = [sys.executable, os.path.join(ROOT, script), *map(str, args), "--sandbox.ray-address", address]
+    return subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "NO_COLOR": "1"})
+
+
+def finish(p: subprocess.Popen, timeout: float = 600) -> tuple[int, str, str]:
+    out, err = p.communicate(timeout=timeout)
+    return p.returncode, out, err
+
+
+def assert_lane(v: dict) -> None:
+    """The verdict names the lane that checked (and timed) it: its index, node address and node id."""
+    lane = v["timings"]["lane"]
+    assert isinstance(lane["lane"], int) and lane["node"] and lane["node_id"] and lane["gpu"] is None, lane
+
+
+@pytest.mark.slow
+def test_check_through_the_cli_equals_the_local_check(cfg, tmp_path, capsys, monkeypatch):
+    """`cuda_agent.py check` on a lane: the local check's exit code, verdict and reward tier (timed: a candidate
+    20 ms slower than eager is tier 1 on any machine; a torch fallback is a violation, -1), with timings["lane"]
+    in --json and a `lane` line in the text output, which otherwise equals the local one line for line."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.path.join(cfg.cache_dir, "inductor"))
+    slow = tmp_path / "slow.py"
+    slow.write_text(sol("time.sleep(0.02)\nreturn torch.from_numpy(np.maximum(x.numpy(), 0))"))
+    flags = ["--sandbox.device", "cpu", "--sandbox.cache-dir", cfg.cache_dir, "--sandbox.warmup", "2",
+             "--sandbox.iters", "10"]
+    runs = {"timed": ["check", RELU_TASK, slow, "--json", "--sandbox.allow-imports", "numpy,time", *flags],
+            "violation": ["check", KB_RELU, KB_HACKED, "--sandbox.no-profile", *flags]}
+    t0 = time.time()
+    children = {k: start_cli("cuda_agent.py", *a, address=cfg.ray_address) for k, a in runs.items()}
+    local = {}
+    for k, a in runs.items():  # meanwhile, the same commands without the flag, in this process
+        rc = cuda_agent.main([str(x) for x in a])
+        local[k] = rc, capsys.readouterr().out
+    on_ray = {k: finish(p) for k, p in children.items()}
+    with capsys.disabled():
+        print(f"\n[ray] check through the CLI, local and on the lanes, in {time.time() - t0:.1f} s")
+    for k in runs:
+        assert on_ray[k][0] == local[k][0] == {"timed": 0, "violation": 1}[k], (k, on_ray[k][2][-3000:])
+        assert "Traceback" not in on_ray[k][2], on_ray[k][2][-3000:]
+    want, got = (json.loads(out.strip().splitlines()[-1]) for out in (local["timed"][1], on_ray["timed"][1]))
+    for key in ("compiled", "correct", "violation", "error", "stage", "reward"):
+        assert want[key] == got[key], (key, want, got)
+    assert got["reward"] == 1 and got["candidate_ms"] and got["eager_ms"], got  # timed on the lane
+    assert_lane(got)
+    assert "lane" not in want["timings"]
+    want, got = local["violation"][1].splitlines(), on_ray["violation"][1].splitlines()
+    lanes = [ln for ln in got if ln.startswith("lane ")]
+    assert len(lanes) == 1 and re.fullmatch(r"lane      : \d+ on node \S+ \(\w+\)", lanes[0]), got
+    assert [ln for ln in got if ln not in lanes] == want and "violation : " in "\n".join(want), (want, got)
+
+
+@pytest.mark.slow
+def test_solve_through_the_cli_equals_the_local_solve(cfg, tmp_path, capsys, monkeypatch):
+    """`cuda_agent.py solve` with a replayed policy that writes the relu workspace, verifies and finishes: on the
+    lanes, the local run's exit code, rewards, best files and summary line; each verdict names its lane."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.path.join(cfg.cache_dir, "inductor"))
+    def turn(*calls):
+        return {"content": "", "tool_calls": [{"function": {"name": n, "arguments": a}} for n, a in calls]}
+    writes = [("write_file", {"path": rel, "content": open(os.path.join(RELU_WS, rel)).read()})
+              for rel in ("kernels/relu.cpp", "model_new.py")]
+    script = tmp_path / "script.json"
+    script.write_text(json.dumps([turn(*writes, ("verify", {})), turn(("finish", {}))]))
+
+    def args(out):
+        return ["solve", RELU_TASK, "--policy.kind", "replay", "--policy.script", script, "--out", out,
+                "--env.max-turns", "3", "--sandbox.device", "cpu", "--sandbox.no-profile",
+                "--sandbox.cache-dir", cfg.cache_dir]
+    t0 = time.time()
+    child = start_cli("cuda_agent.py", *args(tmp_path / "ray"), "--sandbox.ray-lane-cpus", "2", address=cfg.ray_address)
+    rc = cuda_agent.main([str(x) for x in args(tmp_path / "local")])
+    local_out = capsys.readouterr().out
+    ray_rc, ray_out, ray_err = finish(child)
+    with capsys.disabled():
+        print(f"\n[ray] solve through the CLI, local and on the lanes, in {time.time() - t0:.1f} s")
+    assert ray_rc == rc == 0, ray_err[-3000:]
+    summary = [[ln for ln in out.splitlines() if "best_reward=" in ln] for out in (local_out, ray_out)]
+    assert summary[0] == summary[1] and "best_reward=1.0 final_reward=1.0" in summary[0][0], summary
+    (want,), (got,) = ([json.loads(x) for x in open(tmp_path / d / "trajectory.jsonl")] for d in ("local", "ray"))
+    for key in ("stop_reason", "best_reward", "final_reward", "best_files"):
+        assert want[key] == got[key], key
+    verdicts = [got["final_verdict"]] + [c["verdict"] for t in got["turns"] for c in t["calls"] if c.get("verdict")]
+    assert len(verdicts) == 2 and all(v["correct"] for v in verdicts), verdicts
+    for v in verdicts:
+        assert_lane(v)
+    for rel in ("kernels/relu.cpp", "model_new.py"):
+        assert (tmp_path / "ray" / "best" / rel).read_text() == (tmp_path / "local" / "best" / rel).read_text()
+
+
+@pytest.mark.slow
+def test_kernelbench_eval_through_the_cli_equals_the_local_eval(cfg, tmp_path, capsys, monkeypatch):
+    """`kernelbench_eval.py` (samples mode: an honest sample, a torch fallback and wrong math on two problems) on
+    the lanes: the local run's records (correct, tier, every sample's fate) and pass rate; each record's verdict
+    names its lane."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.path.join(cfg.cache_dir, "inductor"))
+    common = ["--kernelbench-dir", KB, "--level", "1", "--problems", "1", "2", "--samples-dir",
+              os.path.join(KB, "samples"), "--sandbox.device", "cpu", "--sandbox.no-profile",
+              "--sandbox.cache-dir", cfg.cache_dir]
+    t0 = time.time()
+    child = start_cli("kernelbench_eval.py", *common, "--out", tmp_path / "ray", "--sandbox.ray-lane-cpus", "2",
+                      address=cfg.ray_address)
+    rc = kernelbench_eval.main(tyro.cli(kernelbench_eval.EvalConfig,
+                                        args=[str(x) for x in (*common, "--out", tmp_path / "local")]))
+    capsys.readouterr()
+    ray_rc, _, ray_err = finish(child)
+    with capsys.disabled():
+        print(f"\n[ray] kernelbench_eval through the CLI, local and on the lanes, in {time.time() - t0:.1f} s")
+    assert ray_rc == rc == 0, ray_err[-3000:]
+    want, got = (kernelbench_eval.read_results(str(tmp_path / d / "results.jsonl")) for d in ("local", "ray"))
+    assert sorted(want) == sorted(got) == [(1, 1), (1, 2)]
+    for k in want:
+        w, g = want[k], got[k]
+        assert (w["correct"], w["tier"], w["n_candidates"]) == (g["correct"], g["tier"], g["n_candidates"]), k
+        fates = [[(c["correct"], re.sub(r"\d+(\.\d+)?", "N", c["why"] or "")) for c in r["candidates"]]
+                 for r in (w, g)]  # the reason without its numbers (each check draws its own inputs)
+        assert fates[0] == fates[1], (k, fates)
+        assert_lane(g["verdict"])
+    assert {k: [c["correct"] for c in r["candidates"]] for k, r in got.items()} == {(1, 1): [True, False],
+                                                                                    (1, 2): [True, False]}
+    sums = [json.load(open(tmp_path / d / "summary.json")) for d in ("local", "ray")]
+    assert [(s["n"], s["n_correct"], s["pass_rate"]) for s in sums] == [(2, 2, 1.0)] * 2
+
+
+def test_an_address_without_a_cluster_is_one_line_at_once(tmp_path):
+    """`check --sandbox.ray-address HOST:PORT` where nothing listens: exit 2 and one line, in seconds (ray.init
+    alone retries such an address for minutes)."""
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    t0 = time.time()
+    rc, _, err = finish(start_cli("cuda_agent.py", "check", KB_RELU, KB_HACKED, "--sandbox.device", "cpu",
+                                  "--sandbox.cache-dir", tmp_path / "cache", address=address), timeout=300)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert rc == 2 and len(lines) == 1, err[-3000:]
+    assert lines[0].startswith(f"error: --sandbox.ray-address {address}: no Ray cluster there"), lines
+    assert time.time() - t0 < 120
 
 def test_without_the_flag_the_local_pool(cfg):
     pool = sandbox_ray.make_pool(dataclasses.replace(cfg, ray_address=None))
