@@ -6,7 +6,6 @@ import importlib.util
 import json
 import os
 import shutil
-import sys
 import textwrap
 
 import pytest
@@ -200,3 +199,13 @@ def test_theirs_phase_writes_and_resumes(tmp_path, monkeypatch):
     assert data["table"]["counts"]["incomplete"] == 2                 # ours not run
     monkeypatch.setattr(kba, "run_child", lambda *a, **k: pytest.fail("resumed samples are not run again"))
     assert kba.main(argv) == 0
+
+
+def test_a_checkout_without_eval_records_no_verdict(tmp_path, capsys):
+    out = str(tmp_path / "agree.json")
+    assert kba.main(["--kernelbench", FIX, "--samples-dir", os.path.join(FIX, "samples"), "--out", out,
+                     "--side", "theirs", "--limit", "1"]) == 0
+    data = json.load(open(out))
+    assert "no src/kernelbench/eval.py" in data["theirs_import_error"]
+    assert data["samples"][0]["theirs"] is None and data["table"]["counts"]["incomplete"] == 1
+    assert "does not import" in capsys.readouterr().err
