@@ -35,7 +35,6 @@ import dataclasses
 import json
 import math
 import os
-import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -53,7 +52,7 @@ import sandbox_ray
 import sandbox_rules
 import tasks
 import tools
-from tasks import Task
+from tasks import SAMPLE_RE, Task, find_samples  # noqa: F401 - samples mode reads KernelBench's file naming
 
 # KernelBench's own representative subsets (src/kernelbench/dataset.py, LEVEL{N}_REPRESENTATIVE_IDS).
 REPRESENTATIVE = {
@@ -71,7 +70,6 @@ DEGENERATE = {
     (1, 100): "loss with an analytic shortcut (hinge loss of uniform inputs)",
 }
 P_VALUES = (0.0, 1.0, 1.5, 2.0)
-SAMPLE_RE = re.compile(r"^level_(\d+)_problem_(\d+)_sample_(\d+)_kernel\.py$")
 
 
 @dataclass
@@ -201,17 +199,6 @@ def load_problems(cfg: EvalConfig) -> list[Task]:
             print(f"warning: level {level}: problems {missing} not found", file=sys.stderr)
         out += probs
     return sorted(out, key=lambda p: (p.level, p.problem_id))
-
-
-def find_samples(samples_dir: str) -> dict[tuple[int, int], list[tuple[int, str]]]:
-    """{(level, problem_id): [(sample_id, path), ...]} from KernelBench's file naming."""
-    found: dict[tuple[int, int], list[tuple[int, str]]] = {}
-    for fn in sorted(os.listdir(samples_dir)):
-        m = SAMPLE_RE.match(fn)
-        if m:
-            key = (int(m.group(1)), int(m.group(2)))
-            found.setdefault(key, []).append((int(m.group(3)), os.path.join(samples_dir, fn)))
-    return {k: sorted(v) for k, v in found.items()}
 
 
 # --------------------------------------------------------------------------------------------------

@@ -209,6 +209,21 @@ def _hf_level(source: str, level: int) -> list[Task]:
     return out
 
 
+# KernelBench's file naming of generated samples (its scripts write runs/<name>/level_{L}_problem_{P}_sample_{S}_kernel.py)
+SAMPLE_RE = re.compile(r"^level_(\d+)_problem_(\d+)_sample_(\d+)_kernel\.py$")
+
+
+def find_samples(samples_dir: str) -> dict[tuple[int, int], list[tuple[int, str]]]:
+    """{(level, problem_id): [(sample_id, path), ...]} from KernelBench's file naming; other files are ignored."""
+    found: dict[tuple[int, int], list[tuple[int, str]]] = {}
+    for fn in sorted(os.listdir(samples_dir)):
+        m = SAMPLE_RE.match(fn)
+        if m:
+            key = (int(m.group(1)), int(m.group(2)))
+            found.setdefault(key, []).append((int(m.group(3)), os.path.join(samples_dir, fn)))
+    return {k: sorted(v) for k, v in found.items()}
+
+
 NO_KERNELBENCH = ("no KernelBench found: pass --kernelbench-dir PATH to a clone of "
                   "github.com/ScalingIntelligence/KernelBench, set $KERNELBENCH_DIR, clone it to ./KernelBench, or "
                   f"pass --hf-dataset {KERNELBENCH_ID} (needs `pip install datasets` and the hub)")
