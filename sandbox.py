@@ -75,9 +75,13 @@ COVERED:
 NOT COVERED (known gaps):
   * The child sees the inputs of the call it is asked for (it must compute on them), and the task's source and
     weights; a shortcut right on every variant above (integer inputs are drawn from get_inputs alone) passes.
-  * A per-call fixed cost is in every time, the baselines' included: on a GPU two cross-context flag waits and
-    the output sample (microseconds); on cpu a signal round trip and the child's wake-up. A forward that waits
-    on the GPU (a sync) cannot be queued: its host time is inside its clock (the verdict counts such calls).
+  * A per-call fixed cost: on a GPU the queued clock holds the switches between the driver's and the child's
+    contexts, the output copy, the flags and the output sample (~0.3 ms on an H100); each pairing measures it
+    with null calls before any candidate code exists (the least of 8, `floor_ms`) and takes it off every
+    queued call, the baselines' alike. A forward whose switches cost less than the null calls' would gain
+    the difference (we know no way to). On cpu a signal round trip and the child's wake-up stay in every time.
+    A forward that waits on the GPU (a sync) cannot be queued: its host time is inside its clock (the verdict
+    counts such calls) and no floor is taken off.
   * A kernel left running on the GPU between calls (a persistent kernel polling the input region) is not
     stopped by SIGSTOP; the GPU runs one context at a time, so its GPU time while the driver prepares is
     charged to the call beyond PREP_SLACK, not prevented.

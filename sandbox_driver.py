@@ -48,6 +48,7 @@ SAMPLES = 4096                 # output bytes the GPU clock's end reads at rando
 PREP_SLACK = (1.25, 0.02)      # a preparation may take 1.25 x its calibrated time + 20 us before it is charged
 DONE_GRACE_S = 2.0             # after the child's reply, how long its done flag may take to reach the driver's stream
 QUEUE_WAIT_S = 0.5             # how long a queued call's child may take to enqueue its work before it falls back
+FLOOR_CALLS = (2, 8)           # a pairing's null calls (warm-up, measured): the floor of the queued clock
 
 
 def _name(t) -> str:
@@ -73,6 +74,7 @@ class Driver:
         self.out = Region(self.device, layout(self.out_specs)[1], ops=self.ops)
         self.in_views, self.out_views = self.inp.views(self.in_specs), self.out.views(self.out_specs)
         self.regions, self.k, self.prep_ms, self.queue_ok, self.queue = [self.inp, self.out], 0, 0.0, {}, True
+        self.floor_ms = 0.0  # the queued clock's floor in the current pairing (`floor`)
         if self.ops:
             self.flags = Region(self.device, 256, ops=self.ops)  # int32 words: [go, done]
             self.flags.bytes.zero_()
@@ -155,14 +157,19 @@ class Driver:
         e0.synchronize()
         return p0.elapsed_time(e0)
 
-    def call(self, link: Link, freezer: Freezer, req: dict, xs, timeout_s: float,
-             queued: bool = False) -> tuple[dict | None, dict]:
-        """Run one call of the child on `xs` (the child is stopped on entry and on return); returns its reply
-        (None: no reply in time or the link closed) and the timing {ms, raw_ms, prep_ms, excess_ms, clock, ...}.
-        `queued` (GPU, timed calls): the child enqueues its work behind the go flag first (`_call_queued`)."""
+    def call(self, link: Link, freezer: Freezer, req: dict, make, timeout_s: float,
+             queued: bool = False) -> tuple[dict | None, dict, tuple]:
+        """Run one call of the child on the case `make()` draws, (inputs, ...) (the child is stopped on entry and
+        on return); returns its reply (None: no reply in time or the link closed), the timing {ms, raw_ms,
+        prep_ms, excess_ms, clock, ...} and the case. `queued` (GPU, timed calls): the child enqueues its work
+        behind the go flag first (`_call_queued`), and the case is drawn while the child stops."""
         self.k += 1
         req = {**req, "k": self.k}
         t_host = _perf()  # the driver's own wall time of the call: where a check's seconds go (not a verdict's)
+        if queued and self.ops:
+            return self._call_queued(link, freezer, req, make, timeout_s, t_host)
+        case = make()
+        xs = case[0]
         if not self.ops:
             self._prepare(xs)
             t0 = _perf()
@@ -173,9 +180,7 @@ class Driver:
             stopped = freezer.stop()
             ms = (_perf() - t0) * 1e3
             host = {"host_ms": (_perf() - t_host) * 1e3, "stop_ms": (_perf() - t1) * 1e3}
-            return reply if stopped else {"error": "the child could not be stopped"}, {"ms": ms, "raw_ms": ms, **host}
-        if queued:
-            return self._call_queued(link, freezer, req, xs, timeout_s, t_host)
+            return reply if stopped else {"error": "the child could not be stopped"}, {"ms": ms, "raw_ms": ms, **host}, case
         p0, e0, e1 = self._clocked(xs)
         t_enq = _perf()
         link.send(req)
@@ -185,9 +190,9 @@ class Driver:
         stopped = freezer.stop()
         t2 = _perf()
         reply = self._finish(reply, stopped, e1, DONE_GRACE_S)
-        return reply, self._timing(p0, e0, e1, "go-first", t_host, t_enq, t1, t2)
+        return reply, self._timing(p0, e0, e1, "go-first", t_host, t_enq, t1, t2), case
 
-    def _call_queued(self, link: Link, freezer: Freezer, req: dict, xs, timeout_s: float, t_host: float):
+    def _call_queued(self, link: Link, freezer: Freezer, req: dict, make, timeout_s: float, t_host: float):
         """A timed call whose clock holds the GPU work only: the child, continued, enqueues on its stream a wait
         for the go flag, its forward, the copy into the output region and the done flag, and replies at once
         (no sync); it is stopped again, and only then are its inputs written, the L2 reset and flushed, and
@@ -196,18 +201,22 @@ class Driver:
         nothing it does on the CPU overlaps the clock. A forward that waits on the GPU (a sync, .item())
         cannot reply before go: after QUEUE_WAIT_S the call falls back to continuing the child after go, its
         host time then inside the clock (`clock` "fallback"; after a fallback that is not a warm-up call, the
-        pairing's later calls of that function go first)."""
+        pairing's later calls of that function go first). The clock's fixed part, the same for every
+        forward (the switch of the GPU between the two processes' contexts, the output copy, the flags), is
+        the pairing's floor (`floor`), taken off a queued call's time."""
         t_enq = _perf()
         link.send({**req, "queued": True})
         freezer.cont()
         reply = link.recv(min(QUEUE_WAIT_S, timeout_s))
         t1 = _perf()
-        stopped = freezer.stop()
+        box = []  # the case, drawn in private memory while the signals land
+        stopped = freezer.stop(during=lambda: box.append(make()))
+        case = box[0] if box else make()
         t2 = _perf()
         clock = "queued" if reply is not None and reply.get("k") == self.k else "fallback"
         if clock == "fallback" and not req.get("warm"):  # a warm-up call may be slow once (a first profile, a cache)
             self.queue_ok[req["fn"]] = False
-        p0, e0, e1 = self._clocked(xs)
+        p0, e0, e1 = self._clocked(case[0])
         if reply is None and stopped and not link.eof:  # still in its forward: continue it, the clock running
             freezer.cont()
             reply = link.recv(max(0.0, timeout_s - (_perf() - t_enq)))
@@ -215,7 +224,7 @@ class Driver:
             stopped = freezer.stop()
             t2 = _perf()
         reply = self._finish(reply, stopped, e1, max(DONE_GRACE_S, timeout_s - (_perf() - t_enq)))
-        return reply, self._timing(p0, e0, e1, clock, t_host, t_enq, t1, t2)
+        return reply, self._timing(p0, e0, e1, clock, t_host, t_enq, t1, t2), case
 
     def _clocked(self, xs) -> tuple:
         """Put a call on the driver's stream (the child stopped): the L2 reset, the preparation (timed from p0), E0,
@@ -253,7 +262,9 @@ class Driver:
     def _timing(self, p0, e0, e1, clock: str, t_host: float, t_enq: float, t1: float, t2: float) -> dict:
         ms, prep = e0.elapsed_time(e1), p0.elapsed_time(e0)
         excess = max(0.0, prep - (PREP_SLACK[0] * self.prep_ms + PREP_SLACK[1]))
-        return {"ms": ms + excess, "raw_ms": ms, "prep_ms": prep, "excess_ms": excess, "clock": clock,
+        floor = self.floor_ms if clock == "queued" else 0.0
+        return {"ms": max(0.0, ms - floor) + excess, "raw_ms": ms, "floor_ms": floor, "prep_ms": prep,
+                "excess_ms": excess, "clock": clock,
                 "host_ms": (_perf() - t_host) * 1e3, "enqueue_ms": (t_enq - t_host) * 1e3,
                 "reply_ms": (t1 - t_enq) * 1e3, "stop_ms": (t2 - t1) * 1e3}
 
@@ -280,6 +291,7 @@ class Driver:
         link, freezer, report = Link(link_fd), Freezer(req["root_pid"]), {"type": "pairing_end", "error": None}
         self.queue_ok = {}  # fn -> False once a queued call of it fell back: its later calls go first
         self.queue = bool(req.get("queued", True))  # --sandbox.gpu-clock
+        self.floor_ms = 0.0
         if self.ops:  # a child of an earlier pairing may have written any value into the flags: they start at 0
             self.flags.bytes.zero_()
             torch.cuda.synchronize()
@@ -291,6 +303,8 @@ class Driver:
             if not freezer.stop():
                 report["error"] = "the child could not be stopped"
                 return
+            if self.ops and self.queue:
+                report["floor_ms"] = self.floor_ms = self.floor(link, freezer, req)
             if req.get("eager") or req["role"] == "baseline":
                 report.update(self.rounds(link, freezer, req, ["eager", "compile"] if req["role"] == "baseline"
                                           else ["eager"]))
@@ -307,6 +321,22 @@ class Driver:
             link.close()
             self.ch.send(report)
 
+    def floor(self, link, freezer, req: dict) -> float:
+        """The queued clock's fixed part in this pairing: the least time of FLOOR_CALLS null calls, each queued
+        as a timed call is, whose forward does no work and returns tensors of the outputs' specs (the child's
+        own, allocated once), copied into the output region as any forward's are. It runs before any candidate
+        code exists in the child. The least of several is the part no forward can avoid: a call whose switches
+        are slower is charged the difference (its time is never below what it computed)."""
+        times = []
+        for i in range(sum(FLOOR_CALLS)):
+            reply, t, _ = self.call(link, freezer, {"op": "call", "fn": "null", "warm": True},
+                                    lambda: self.case("plain", check=False), req["call_timeout_s"], True)
+            if reply is None or reply.get("error") or reply.get("k") != self.k:
+                return 0.0  # no floor: every queued call is charged in full
+            if i >= FLOOR_CALLS[0] and t["clock"] == "queued":
+                times.append(t["raw_ms"])
+        return min(times) if times else 0.0
+
     def rounds(self, link, freezer, req: dict, fns: list) -> dict:
         """The baselines' rounds: fns in turn, each round `n` timed calls after its warm-up, so that a burst of
         load inflates one round of each, not a whole baseline; the host keeps each round's median."""
@@ -317,11 +347,11 @@ class Driver:
                 warm = (max(req["warmup"], 3) if fn == "compile" else req["warmup"]) if r == 0 else 1
                 times = []
                 for i in range(warm + n):
-                    xs, _, _ = self.case(self._mix(), check=False)
                     first = r == 0 and i == 0  # compile's first call compiles: never queued
                     limit = req["compile_timeout_s"] if fn == "compile" and first else req["call_timeout_s"]
-                    reply, t = self.call(link, freezer, {"op": "call", "fn": fn, "warm": i < warm}, xs, limit,
-                                         self._queued(fn, first))
+                    reply, t, _ = self.call(link, freezer, {"op": "call", "fn": fn, "warm": i < warm},
+                                            lambda: self.case(self._mix(), check=False), limit,
+                                            self._queued(fn, first))
                     if reply is None or reply.get("error") or reply.get("k") != self.k:
                         err = (reply or {}).get("error") or "no reply in time"
                         if fn != "compile":  # the host falls back to the cached eager baseline
@@ -355,10 +385,10 @@ class Driver:
             plan += [("time", self._mix()) for _ in range(req["warmup"] + req["iters"])]
         count = {}
         for phase, variant in plan:
-            xs, ys, drawn = self.case(variant, check=True)
             warm = phase == "time" and count.get(phase, -1) + 1 < req["warmup"]
             op = {"op": "ops" if phase == "ops" else "call", "fn": "cand", "warm": warm}
-            reply, t = self.call(link, freezer, op, xs, req["call_timeout_s"], self._queued("cand", phase != "time"))
+            reply, t, (xs, ys, drawn) = self.call(link, freezer, op, lambda: self.case(variant, check=True),
+                                                  req["call_timeout_s"], self._queued("cand", phase != "time"))
             t_judge = _perf()
             ok, reason, stats = self.judge(reply, xs, ys, link.eof)
             t["judge_ms"] = (_perf() - t_judge) * 1e3

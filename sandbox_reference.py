@@ -44,7 +44,9 @@ def precision_of(cfg: SandboxConfig) -> str:
 def baseline_timing(cfg: SandboxConfig) -> str:
     """How baselines are timed (a baseline child under a driver, as candidates are, with --sandbox.gpu-clock on a
     GPU); a cache entry timed any other way is timed again."""
-    return f"driver clock, {cfg.gpu_clock}" if cfg.device == "cuda" else "driver clock"
+    if cfg.device != "cuda":
+        return "driver clock"
+    return "driver clock, queued, less its floor" if cfg.gpu_clock == "queued" else "driver clock, go-first"
 
 
 _NAMES: dict = {}
@@ -358,7 +360,8 @@ def baseline_entry(b: dict, precision: str, device: str, old: dict | None = None
             "compile_rounds": comp or [], "compile_error": b.get("compile_error"), "runs": old.get("runs", 0) + 1,
             "spread": (max(eager) - min(eager)) / min(eager) if min(eager) > 0 else 0.0,
             "precision": precision, "device": device, "timing": b["timing"],
-            "clocks": b.get("clocks")}  # the last run's timed calls by clock (GPU: "queued" unless forward syncs)
+            "clocks": b.get("clocks"),  # the last run's timed calls by clock (GPU: "queued" unless forward syncs)
+            "floor_ms": b.get("floor_ms")}  # the last run's queued-clock floor (GPU)
 
 
 def time_baselines(drv: Driver, src: str, cfg: SandboxConfig, gpu) -> dict:

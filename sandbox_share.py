@@ -208,19 +208,36 @@ class Freezer:
         return out
 
     @staticmethod
-    def _stopped(pid: int) -> bool:
+    def _running(pid: int, known: set) -> list[str]:
+        """Paths of pid's threads not seen stopped (a thread in `known` was seen stopped in this stop())."""
         try:
-            for t in os.listdir(f"/proc/{pid}/task"):
-                with open(f"/proc/{pid}/task/{t}/stat") as f:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            return []  # gone
+        out = []
+        for t in tids:
+            path = f"/proc/{pid}/task/{t}/stat"
+            if path in known:
+                continue
+            try:
+                with open(path) as f:
                     state = f.read().rsplit(")", 1)[1].split()[0]
-                if state not in "TtZX":
-                    return False
-        except (OSError, IndexError):
-            return True  # gone
-        return True
+            except (OSError, IndexError):
+                continue  # gone
+            if state in "TtZX":
+                known.add(path)
+            else:
+                out.append(path)
+        return out
 
-    def stop(self, timeout_s: float = 5.0) -> bool:
+    def stop(self, timeout_s: float = 5.0, during=None) -> bool:
+        """SIGSTOP every process of the tree and wait until every thread is seen stopped; `during()` (work that
+        needs no stopped child, e.g. drawing the next inputs in private memory) runs while the signals land.
+        A thread seen stopped is not read again until a last sweep that reads them all: a process that was
+        continued meanwhile by one not yet stopped (SIGCONT within the tree) is seen there, stopped again."""
         if self.frozen:
+            if during:
+                during()
             return True
         seen: set = set()
         deadline = time.monotonic() + timeout_s
@@ -232,13 +249,17 @@ class Freezer:
                 except OSError:
                     pass
             seen.update(todo)
-            while not all(self._stopped(p) for p in seen):  # only thread states are polled here ...
+            if during:
+                during, _ = None, during()
+            known: set = set()
+            while any(self._running(p, known) for p in seen):  # only thread states are polled here ...
                 if time.monotonic() > deadline:
                     return False
             todo = [p for p in self._tree() if p not in seen]  # ... and the tree walked once they all stopped
-            if not todo:
+            if not todo and not any(self._running(p, set()) for p in seen):
                 self.pids, self.frozen = sorted(seen), True
                 return True
+            todo = todo or sorted(seen)  # one was continued from inside the tree: stop them all again
         return False
 
     def cont(self):

@@ -353,6 +353,14 @@ def _compute(fn, sh: _Shared, req: dict, device: str, guard_cls) -> dict:
     return reply
 
 
+def _null(specs: list, device: str):
+    """The forward of the driver's null calls (the queued clock's floor): no work, tensors of the outputs' specs
+    allocated once, so that a call's copy into the output region and its flags are all it times."""
+    import torch
+    ys = [torch.empty(shape, dtype=getattr(torch, dt), device=device) for dt, shape in specs]
+    return lambda *xs: ys
+
+
 def run_compute(job: dict, ch: Channel):
     """A child that computes and nothing else (role "candidate": the task's eager forward, then the candidate's;
     role "baseline": eager and torch.compile). Inputs, outputs, the clock and every comparison are the driver's."""
@@ -373,7 +381,7 @@ def run_compute(job: dict, ch: Channel):
     try:
         sh = _Shared(device, attach, fds[1:])
         torch.manual_seed(job["init_seed"])  # the driver's weights: same seed, same code
-        fns = {"eager": task.Model(*task.get_init_inputs()).to(device)}
+        fns = {"eager": task.Model(*task.get_init_inputs()).to(device), "null": _null(sh.specs, device) if sh.ops else None}
         if not cand:
             fns["compile"] = torch.compile(fns["eager"])
     except BaseException as e:  # noqa: BLE001
@@ -424,7 +432,7 @@ def _load(job: dict, task, guard_cls, snapshot, fns: dict) -> dict:
     bad = _inherits_reference(type(model), task)
     if bad:
         return {"violation": bad}
-    del fns["eager"]
+    del fns["eager"], fns["null"]
     if job["device"] == "cuda":
         torch.cuda.empty_cache()  # the candidate gets the memory the eager model held
     fns["cand"] = model
