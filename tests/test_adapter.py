@@ -26,6 +26,8 @@ import sandbox
 import train
 import train_config
 
+pytestmark = pytest.mark.slow  # the module fixture trains an adapter (~40 s)
+
 FIX = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "kernelbench")
 
 

@@ -157,6 +157,7 @@ def test_flat_logprobs_spreads_turns_over_mask_runs():
 
 
 # ---------------------------------------------------------------------------------------------- real sandbox episodes
+@pytest.mark.slow
 def test_replay_episodes_every_tool_and_error_path_then_honest_solution(tmp_path, pool, tok):
     cfg = EnvConfig(work_dir=str(tmp_path / "ws"), max_turns=40, bash_timeout_s=10)
     trajs = run_episodes(ReplayPolicy({0: TOUR, 1: SHORT}), [Task(code=TASK, name="relu"), Task(code=TASK)], pool, cfg,
@@ -209,6 +210,7 @@ def test_replay_episodes_every_tool_and_error_path_then_honest_solution(tmp_path
         assert tok.decode([i for i, k in zip(ids, mask) if k]).count("<|im_end|>") == n_assistant
 
 
+@pytest.mark.slow
 def test_single_turn_mode(tmp_path, pool):
     good = f"Solution:\n```python model_new.py\n{MODEL_NEW}```\n```cpp kernels/relu.cpp\n{KERNEL}```\n"
     cfg = EnvConfig(work_dir=str(tmp_path / "ws"), single_turn=True)
@@ -220,6 +222,7 @@ def test_single_turn_mode(tmp_path, pool):
 
 
 # ---------------------------------------------------------------------------------------------- tiny MoE
+@pytest.mark.slow
 def test_tiny_moe_drives_the_env_and_its_garbage_is_handled(tmp_path):
     model, tok = build_tiny_model_and_tokenizer(seed=0)
     pol = HFPolicy(model, tok, max_new_tokens=40, temperature=1.0, seed=0)
@@ -239,6 +242,7 @@ def test_tiny_moe_drives_the_env_and_its_garbage_is_handled(tmp_path):
     assert short.stop_reason == "context" and short.turns == [], "the prompt alone is past the budget: no turn"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", [False, True])
 def test_the_token_budget_holds_before_each_turn(tmp_path, engine):
     """HFPolicy samples at most what the prompt leaves of --env.max-context-tokens (one token kept for the
@@ -287,6 +291,7 @@ def test_observations_past_the_budget_stay_out_of_the_record(tmp_path, tok):
     assert cut.turns[-1]["observations_dropped"] == 1 and cut.turns[-1]["calls"][0]["name"] == "glob"
 
 
+@pytest.mark.slow
 def test_overlapped_turns_equal_turn_by_turn(tmp_path):
     """run_episodes with a streaming policy (HFPolicy on generate.Engine): each episode's next turn starts when
     its tools finish, and the trajectories (messages, sampled ids, log-probs) equal turn-by-turn ones."""

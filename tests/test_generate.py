@@ -197,6 +197,7 @@ def run_follow(model, script, **kw):
     return outs, eng, order
 
 
+@pytest.mark.slow
 def test_follow_ups_equal_turn_by_turn(model, monkeypatch):
     """step(follow=...) overlaps turns across episodes (and widens the arena as contexts grow) with the same
     tokens and log-probs as one `step` per turn, sampled and greedy, dynamic and static (CUDA-graph) batches;
@@ -341,6 +342,7 @@ def test_cuda_graph_decode_matches_eager():
         assert_same(graph, eager, tol=1e-3)
 
 
+@pytest.mark.slow
 def test_triton_decode_attention_matches_plain(model, monkeypatch):
     """Engine(attention="triton"): decode attention through fused_ops' kernel (the Triton interpreter on CPU),
     greedy turns equal the plain reference in fp32."""
@@ -355,6 +357,7 @@ def test_triton_decode_attention_matches_plain(model, monkeypatch):
     assert_same(outs, run_plain(model, script))
 
 
+@pytest.mark.slow
 def test_fused_ops_match_the_model_and_are_restored(model, monkeypatch):
     """Engine(fused=True): RMSNorms as F.rms_norm (the same values as the module's forward: fp32 rounding; bf16
     within a bf16 ulp), the attentions through ragged_attention.attention_forward (q/k/v as one GEMM, the
@@ -407,7 +410,7 @@ def test_step_full_and_rewind(model):
     assert ids == ref
 
 
-@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("fused", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_peft_lora_model(model, fused):
     """A peft-wrapped model (what training samples from): same tokens as the plain path through PeftModel; fused:
     the engine's attention forward calls the LoRA projections as modules (no fused q/k/v weight for them)."""

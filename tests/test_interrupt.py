@@ -5,6 +5,10 @@ import subprocess
 import sys
 import time
 
+import pytest
+
+pytestmark = pytest.mark.slow  # a CLI check in a subprocess, interrupted (~25 s on 2 shared cores)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIX = os.path.join(ROOT, "tests", "fixtures", "sandbox")
 SLOW = """

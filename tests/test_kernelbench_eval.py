@@ -259,6 +259,7 @@ def test_resume_skips_finished_problems(tmp_path, monkeypatch):
     assert sorted(pool4.submitted) == sorted(FIXED)
 
 
+@pytest.mark.slow
 def test_crash_on_one_problem_never_ends_the_run(tmp_path, monkeypatch):
     pool = FakePool(FIXED, crash={"level_1_problem_3_sample_0_kernel.py"})
     s = run(tmp_path, monkeypatch, pool)

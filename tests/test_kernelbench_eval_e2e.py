@@ -31,6 +31,7 @@ def cfg_for(tmp_path, profile=True, n_trials=5, max_turns=None, **kw):
     return kb.EvalConfig(**{**base, **kw})
 
 
+@pytest.mark.slow
 def test_samples_mode_real_sandbox_then_resume(tmp_path, monkeypatch):
     """Correctness only (--no-profile keeps it fast): which samples pass is decided by the real checks."""
     cfg = cfg_for(tmp_path, profile=False)
@@ -54,6 +55,7 @@ def test_samples_mode_real_sandbox_then_resume(tmp_path, monkeypatch):
     assert kb.main(cfg) == 0
 
 
+@pytest.mark.slow
 def test_profiled_problem_real_sandbox(tmp_path):
     """One problem with timings: speedups come from the sandbox's baselines, and agree with its times."""
     assert kb.main(cfg_for(tmp_path, level=[1], problems=[2], n_trials=2)) == 0
@@ -67,6 +69,7 @@ def test_profiled_problem_real_sandbox(tmp_path):
     assert s["faster_compile"] == (1.0 if r["speedup_compile"] > 1 else 0.0)
 
 
+@pytest.mark.slow
 def test_samples_are_judged_by_kernelbench_rules(tmp_path):
     """Samples mode's default profile is KernelBench's: an honest sample passes although it allocates its output
     with zeros_like, casts without converting, and carries a get_inputs with torch.randn and a torch helper it
@@ -124,6 +127,7 @@ class ModelNew(nn.Module):
 '''
 
 
+@pytest.mark.slow
 def test_agent_mode_replay_policy_real_env(tmp_path):
     script = [{"content": "write the kernel", "tool_calls": [
                   {"function": {"name": "write_file", "arguments": {"path": "kernels/relu.cpp", "content": KERNEL}}},

@@ -58,6 +58,7 @@ def eager(ex, x, idx, w):
 
 @pytest.mark.parametrize("T,E,K,BM,dead", [(1, 16, 2, 16, 0), (7, 8, 8, 16, 0), (40, 4, 2, 16, 0), (5, 32, 8, 32, 0),
                                             (7, 8, 8, 16, 3), (100, 128, 8, 32, 17), (9, 8, 4, 16, 2)])
+@pytest.mark.slow
 def test_align_layout(T, E, K, BM, dead):
     """Every pair once, in its expert's padded group, ascending; pads = S; total = sum of padded counts.
     dead tokens have no pair, marked as `live` False (odd `dead`) or as ids -1 (even); 800 pairs over 128 experts
@@ -86,6 +87,7 @@ def test_align_layout(T, E, K, BM, dead):
     assert (block_expert.diff() >= 0).all(), "groups are laid out expert by expert"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("T,K,experts", [(1, 2, None), (3, 8, None), (6, 2, [1, 4, 9]), (37, 8, None)])
 def test_matches_eager_fp32(T, K, experts):
     """fp32: 1 token, a count with most experts empty, and >BLOCK_M tokens on one expert (several blocks)."""
@@ -96,6 +98,7 @@ def test_matches_eager_fp32(T, K, experts):
     torch.testing.assert_close(out, eager(ex, x, idx, w), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_live_tokens_skip_the_others(fused_calls):
     """live=False tokens get 0 and no pair (a block per 16 identical padding tokens would read their experts'
     weights again); live ones match eager. Through the interface, `live_tokens` applies to calls of its size."""
@@ -195,6 +198,7 @@ def test_lora_parametrized_experts(fused_calls):
     torch.testing.assert_close(outs[mk.NAME], outs["eager"], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_engine_fused_greedy_matches_default(fused_calls):
     """Engine(experts="fused") decodes the same greedy tokens as the model's default experts."""
     from generate import Engine

@@ -50,6 +50,7 @@ def _batch():
     return b_ids, b_attn, b_mask, b_rewards
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("grad_ckpt", [False, True])
 def test_offload_gives_the_same_loss_and_gradients(grad_ckpt, monkeypatch):
     """One actor loss and one critic loss, backward with and without the context: equal, bit for bit; the context
@@ -98,6 +99,7 @@ def test_checkpointed_layers_move_only_their_inputs(monkeypatch):
     assert moved[True] < moved[False] / 3, moved
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("grad_ckpt", [False, True])
 def test_ppo_and_sft_updates_equal_with_offload(grad_ckpt, monkeypatch):
     """ppo_update (actor + critic, 2 minibatches, micro-batches of 2) and sft_update give the same weights and the
@@ -135,6 +137,7 @@ def _load_bench():
     return mod
 
 
+@pytest.mark.slow
 def test_bench_runs_every_length_and_mode_on_cpu_and_records_an_oom(tmp_path, monkeypatch):
     """scripts/bench_ppo.py --device cpu: scoring and one update at three lengths, offload off and on, into one
     JSON; an out-of-memory error in one length's update (injected) is recorded there with the memory breakdown,

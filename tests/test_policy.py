@@ -117,6 +117,7 @@ class RecordingHF(HFPolicy):
         return p
 
 
+@pytest.mark.slow
 def test_hf_policy_batched_turns_exact_ids_and_masks(tiny):
     model, tok = tiny
     pol = RecordingHF(model, tok, max_new_tokens=24, temperature=1.0, seed=1)
@@ -194,6 +195,7 @@ def test_hf_policy_samples_within_the_token_budget(tiny, engine):
     assert 0 < len(acts[3].token_ids) <= 12 and 0 < len(acts[4].token_ids) <= 12
 
 
+@pytest.mark.slow
 def test_hf_policy_engine_takes_the_experts_implementation(tiny):
     """--rollout-experts reaches the engine: HFPolicy(engine=True, experts="fused") decodes through moe_kernel's
     kernels (the Triton interpreter on CPU) and greedy turns equal the plain path's."""

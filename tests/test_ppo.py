@@ -292,6 +292,7 @@ def small_lm():
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [1, 7, 1024])
 def test_chunked_logprobs_equal_full_values_and_gradients(small_lm, chunk, monkeypatch):
     """Chunked, policy-positions-only log-probs and entropies equal the full-vocabulary computation at the
@@ -409,6 +410,7 @@ def _grad_reduce_worker(rank: int, port: int, out: str, backend: str):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.gpu)])
 def test_all_reduce_grads_with_a_gradient_on_one_rank_only(tmp_path, backend):
     """Two processes (gloo on CPUs; NCCL on 2 GPUs, as under `accelerate launch`): a parameter with a gradient

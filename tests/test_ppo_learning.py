@@ -111,6 +111,7 @@ def run_toy_ppo(iters=40, batch=32, broken=None, seed=0, device="cpu"):
     return curve
 
 
+@pytest.mark.slow
 def test_ppo_learns_toy_task():
     curve = run_toy_ppo()
     start, end = sum(curve[:3]) / 3, sum(curve[-5:]) / 5
@@ -128,6 +129,7 @@ def test_ppo_learns_toy_task_on_gpu():
     assert end > 0.8, f"PPO on GPU did not learn the toy task: {end:.3f}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("broken", ["sign", "mask"])
 def test_broken_ppo_does_not_learn(broken, monkeypatch):
     if broken == "sign":  # gradient ascent on the loss instead of descent
@@ -265,6 +267,7 @@ def _one_update(rows, n_global):
     return [p.detach().clone() for p in ppo.adapter_params(model, "actor") + ppo.adapter_params(model, "critic")]
 
 
+@pytest.mark.slow
 def test_update_with_unequal_shards_equals_one_process(tmp_path):
     """Ranks may hold different numbers of trajectories (1024 on 6 GPUs: 171 x 4 + 170 x 2): the update counts
     trajectories over all ranks, so 3 + 2 on two processes gives the parameters of 5 on one."""

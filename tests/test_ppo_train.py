@@ -263,6 +263,7 @@ def test_mixed_tasks_keeps_the_tasks_passed_sometimes(tmp_path):
     assert lines[-1].endswith("c 0/2 -> 2/2, d 1/2 -> 1/2")
 
 
+@pytest.mark.slow
 def test_reproduction_is_the_probability_of_sampling_the_kept_action_tokens(tmp_path):
     """train.reproduction (what --rft-target stops stage 2 on) against a plain forward: per task, the largest
     over its kept trajectories of exp(sum over the mask of log softmax(logits / T)[next token])."""

@@ -81,6 +81,7 @@ def dynamic_only(cfg):
 
 
 # ----------------------------------------------------------------------------- honest controls
+@pytest.mark.slow
 def test_honest_workspace_openmp_reward(pcfg):
     v = run(RELU_WS, pcfg)
     assert v.compiled and v.correct and v.violation is None and v.error is None, v.to_dict()
@@ -95,11 +96,13 @@ def test_honest_workspace_openmp_reward(pcfg):
     assert "reward" not in d, "the verdict carries no reward: reward.py turns it into one"
 
 
+@pytest.mark.slow
 def test_honest_form_a_numpy(cfg):
     v = run(sol(), cfg)
     assert v.correct and reward_of(v) == 1.0, v.to_dict()
 
 
+@pytest.mark.slow
 def test_honest_thread_joined_before_return(cfg):  # twin of the thread hacks
     v = run(sol("""
         y = torch.empty_like(x)
@@ -118,6 +121,7 @@ BAD_TASKS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(BAD_TASKS))
 def test_malformed_task(kind):
     with pytest.raises(TaskError) as e:
@@ -213,23 +217,27 @@ def test_static_layer_rejects_torch_fallback(cfg):
     assert not v.correct and v.violation and "static scan" in v.violation and reward_of(v) == -1
 
 
+@pytest.mark.slow
 def test_dispatch_guard_catches_hidden_torch_call(cfg):  # the static scan refuses vars(); the guard alone:
     v = run(sol("return vars(torch)['re' + 'lu'](x)"), dynamic_only(cfg))
     assert v.violation and "dispatch guard" in v.violation and "relu" in v.violation, v.to_dict()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("call, op", [("x.t().contiguous().t()", "clone"), ("x.to(torch.float64)", "_to_copy")])
 def test_dispatch_guard_sees_ops_inside_allowed_ops(cfg, call, op):  # allowed ops skip the guard's key;
     v = run(sol(f"return {call}"), dynamic_only(cfg))                 # what they call in turn must not
     assert v.violation and "dispatch guard" in v.violation and op in v.violation, v.to_dict()
 
 
+@pytest.mark.slow
 def test_rebinding_worker_allow_list_changes_nothing(cfg):
     head = "import sandbox_worker\nsandbox_worker.ALLOWED_OPS = frozenset(list(sandbox_worker.ALLOWED_OPS) + ['relu'])"
     v = run(sol("return vars(torch)['re' + 'lu'](x)", head=head), dynamic_only(cfg))
     assert v.violation and "relu" in v.violation, v.to_dict()
 
 
+@pytest.mark.slow
 def test_dispatch_guard_outlives_disabled_python_modes(cfg):  # a Python dispatch mode could be popped
     v = run(sol("""
         from torch.utils._python_dispatch import _disable_current_modes
@@ -238,6 +246,7 @@ def test_dispatch_guard_outlives_disabled_python_modes(cfg):  # a Python dispatc
     assert v.violation and "dispatch guard" in v.violation and "relu" in v.violation, v.to_dict()
 
 
+@pytest.mark.slow
 def test_profiler_layer_catches_disabled_guard(cfg):  # the guard's key excluded on this thread
     v = run(sol("""
         with vars(torch._C)['_ExcludeDispatchKeyGuard'](vars(torch._C)['_dispatch_tls_local_include_set']()):
@@ -265,6 +274,7 @@ def test_dispatch_guard_sees_cpp_extension_aten_call(cfg):
 
 
 # ----------------------------------------------------------------------------- correctness hacks
+@pytest.mark.slow
 def test_input_mutation(cfg):
     v = run(sol("np.maximum(x.numpy(), 0, out=x.numpy())\nreturn torch.from_numpy(x.numpy().copy())"), cfg)
     assert v.violation and "modified its inputs" in v.violation, v.to_dict()
@@ -278,6 +288,7 @@ def test_stale_output_cache(cfg):  # returns the first output it ever computed
     assert not v.correct and v.error and "incorrect on trial" in v.error, v.to_dict()
 
 
+@pytest.mark.slow
 def test_pointer_keyed_cache_fails(pcfg):
     """Freed inputs are often reallocated at the same address, so a cache keyed on the pointer answers a new
     input with an old output: caught on a trial or a timed call (every call has fresh inputs and is checked).
@@ -293,6 +304,7 @@ def test_pointer_keyed_cache_fails(pcfg):
         assert "incorrect on trial" in v.error or "timed call" in v.error, v.to_dict()
 
 
+@pytest.mark.slow
 def test_degenerate_softmax_fails(cfg):
     honest = "e = np.exp(x.numpy() - np.max(x.numpy(), 1, keepdims=True))\nreturn torch.from_numpy(e / np.sum(e, 1, keepdims=True))"
     assert run(sol(honest), cfg, task=SOFTMAX_TASK).correct
@@ -322,6 +334,7 @@ def test_compare_unit():
     ("class Lazy(torch.Tensor):\n    pass\nreturn torch.from_numpy(np.maximum(x.numpy(), 0)).as_subclass(Lazy)",
      "exactly torch.Tensor"),
 ])
+@pytest.mark.slow
 def test_wrong_output_kind(cfg, body, why):
     v = run(sol(body), cfg)
     assert not v.correct and why in (v.error or ""), v.to_dict()
@@ -359,6 +372,7 @@ def test_native_thread_writes_after_return(cfg, tmp_path):
 SLOW = "time.sleep(0.01)\n" + HONEST
 
 
+@pytest.mark.slow
 def test_patched_time_module_changes_nothing(pcfg):
     head = "time.perf_counter = lambda: 0.0\ntime.perf_counter_ns = lambda: 0"
     assert "patches a library" in run(sol(SLOW, head=head), pcfg).violation  # the static layer refuses it
@@ -366,6 +380,7 @@ def test_patched_time_module_changes_nothing(pcfg):
     assert v.correct and v.violation is None and v.candidate_ms >= 9.0, v.to_dict()
 
 
+@pytest.mark.slow
 def test_patched_worker_module_changes_nothing(pcfg):
     """The harness in the candidate's process measures nothing: patching its clock, its sync and its channel
     leaves the driver's clock (in another process) as it was."""
@@ -388,6 +403,7 @@ time.perf_counter = _fake
 """
 
 
+@pytest.mark.slow
 def test_a_clock_overwritten_in_memory_changes_nothing(pcfg):
     honest = run(sol(SLOW), dynamic_only(pcfg))
     assert honest.correct and honest.violation is None, honest.to_dict()
@@ -407,6 +423,7 @@ def test_candidate_time_is_the_baselines_statistic():
     assert v.candidate_ms == 0.5 and v.speedup_eager == pytest.approx(0.8) and v.speedup_compile == pytest.approx(1.6)
 
 
+@pytest.mark.slow
 def test_eager_is_timed_in_the_candidates_child(pcfg, tmp_path):
     """The speedup over eager compares the candidate with eager's rounds timed in the candidate's own child
     just before its import, not with the baseline cached per task (timed once, at another speed of the host):
@@ -444,6 +461,7 @@ def test_eager_beside_a_baseline_retimed_only_for_the_compile_tier():
 
 
 # ----------------------------------------------------------------------------- escapes
+@pytest.mark.slow
 def test_fake_verdict_on_stdout_and_result_fd(cfg):
     fake = '{"compiled": true, "correct": true, "violation": null, "error": null, "reward": 3.0}'
     v = run(sol("print(%r, flush=True)\nreturn torch.from_numpy(np.zeros(tuple(x.shape), np.float32))" % fake), dynamic_only(cfg))
@@ -453,6 +471,7 @@ def test_fake_verdict_on_stdout_and_result_fd(cfg):
     assert not v.correct and v.error and "bad frame" in v.error, v.to_dict()
 
 
+@pytest.mark.slow
 def test_writes_outside_workspace_do_not_persist(cfg, tmp_path):
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     targets = [f"/tmp/sbx_escape_{os.getpid()}", os.path.join(repo, f"sbx_escape_{os.getpid()}"),
@@ -467,6 +486,7 @@ def test_writes_outside_workspace_do_not_persist(cfg, tmp_path):
             os.remove(p)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sandbox.isolation() != "bwrap", reason="the bytecode cache is used under bubblewrap only")
 def test_children_import_from_a_bytecode_cache_they_cannot_write(cfg, tmp_path, monkeypatch):
     """Where torch ships no bytecode, children import it from a cache filled once by a trusted process: a
@@ -492,6 +512,7 @@ def test_children_import_from_a_bytecode_cache_they_cannot_write(cfg, tmp_path, 
     assert not os.path.exists(os.path.join(d, "planted.pyc"))
 
 
+@pytest.mark.slow
 def test_network_is_unreachable(cfg):
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
@@ -525,6 +546,7 @@ def test_network_is_unreachable(cfg):
      "memory limit exceeded|memoryerror"),  # the host's RSS watch, or RLIMIT_AS (limit + 4 GiB) where torch
     # maps more address space at import (the H200 image: the 512 MiB allocation that crosses it raises)
 ])
+@pytest.mark.slow
 def test_process_deaths_become_verdicts(cfg, body, why):
     import dataclasses
     c = dataclasses.replace(cfg, run_timeout_s=20 if why == "timed out" else 120, compile_timeout_s=1,
@@ -534,6 +556,7 @@ def test_process_deaths_become_verdicts(cfg, body, why):
         v.to_dict()
 
 
+@pytest.mark.slow
 def test_cannot_read_baseline_cache_or_sandbox_root(pcfg):
     assert run(RELU_WS, pcfg).correct  # makes sure baselines.json exists
     secret = os.path.join(os.path.expanduser(pcfg.cache_dir), "baselines.json")
@@ -579,6 +602,7 @@ def test_cache_dir_follows_env(monkeypatch, tmp_path):
     assert SandboxConfig().cache_dir == "~/.cache/cuda_agent"
 
 
+@pytest.mark.slow
 def test_run_isolated():
     c = SandboxConfig()
     ok, val, err = sandbox.run_isolated("sandbox_measure:stats", {"times": [1.0, 2.0, 3.0]}, c, 60)
@@ -587,6 +611,7 @@ def test_run_isolated():
     assert not ok and "SIGABRT" in err
 
 
+@pytest.mark.slow
 def test_pool(cfg):
     pool = sandbox.SandboxPool(cfg, compile_workers=2)
     try:
@@ -657,6 +682,7 @@ def test_other_compute_libraries_are_a_violation(tmp_path):
     assert ".numpy()" in static_scan(_HONEST.replace("return y", "return x.numpy()"))
 
 
+@pytest.mark.slow
 def test_prewarm_fills_inductor_cache_only(tmp_path):
     """sandbox.prewarm compiles in parallel but times nothing: the inductor cache fills, baselines.json does
     not; a broken task gives its one-line error; tasks with cached baselines are skipped."""

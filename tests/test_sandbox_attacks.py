@@ -94,6 +94,7 @@ Hook().__enter__()
 
 @pytest.mark.parametrize("work", ["y = torch.from_numpy(np.maximum(out.numpy(), 0))",   # no kernel at all
                                   "time.sleep(0.02); y = torch.from_numpy(np.maximum(out.numpy(), 0))"])
+@pytest.mark.slow
 def test_work_done_while_the_harness_builds_inputs_gains_nothing(pcfg, honest, work):
     """The candidate's process never builds an input: a hook on torch's factories sees nothing, so the
     answer it meant to stash does not exist when forward runs (or, computed in forward, is timed)."""
@@ -120,6 +121,7 @@ json.dumps = _forged
 """
 
 
+@pytest.mark.slow
 def test_times_forged_from_python_do_not_enter_the_verdict(pcfg, honest):
     v = check(RELU_TASK, sol(SLOW_RELU, head=FORGE_PY), pcfg)
     assert v.correct and v.candidate_ms >= 15 and reward_of(v) < 3, v.to_dict()
@@ -165,6 +167,7 @@ class ModelNew(nn.Module):
 """
 
 
+@pytest.mark.slow
 def test_times_forged_from_native_code_do_not_enter_the_verdict(pcfg, honest, tmp_path):
     ws = tmp_path / "native"
     (ws / "kernels").mkdir(parents=True)
@@ -176,6 +179,7 @@ def test_times_forged_from_native_code_do_not_enter_the_verdict(pcfg, honest, tm
     assert v.correct and v.candidate_ms >= 15 and reward_of(v) < 3, v.to_dict()
 
 
+@pytest.mark.slow
 def test_a_process_that_forges_every_message_and_computes_nothing_is_wrong(pcfg):
     """Claims of success from the candidate's process count for nothing: only the trusted side's comparisons."""
     v = check(RELU_TASK, sol("y = torch.empty_like(x)", head=FORGE_PY), pcfg)
@@ -205,6 +209,7 @@ SHORTCUTS = {  # task, the shortcut, an honest numpy version (which must keep pa
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(SHORTCUTS))
 def test_answers_right_only_for_the_input_distribution_are_wrong(cfg, name):
     src, shortcut, _, args = SHORTCUTS[name]
@@ -212,6 +217,7 @@ def test_answers_right_only_for_the_input_distribution_are_wrong(cfg, name):
     assert not v.correct and reward_of(v) == -1, v.to_dict()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(SHORTCUTS))
 def test_honest_twins_of_the_shortcuts_pass_every_input_variant(cfg, name):
     src, _, honest_body, args = SHORTCUTS[name]
@@ -220,6 +226,7 @@ def test_honest_twins_of_the_shortcuts_pass_every_input_variant(cfg, name):
     assert len({t.get("variant") for t in v.trials}) > 1, v.trials  # the trials did draw beyond get_inputs
 
 
+@pytest.mark.slow
 def test_inputs_whose_reference_turns_non_finite_keep_their_distribution(cfg):
     """log(x) of rand inputs: a shifted variant would take the log of negative numbers; the trusted side sees
     the reference turn non-finite and draws that trial from get_inputs instead (an honest log still passes)."""
@@ -232,6 +239,7 @@ def test_inputs_whose_reference_turns_non_finite_keep_their_distribution(cfg):
 COMPLEX_TASK = task("torch.view_as_complex(torch.stack([x, x.flip(1)], -1))", "[torch.randn(64, 256)]")
 
 
+@pytest.mark.slow
 def test_complex_outputs_are_compared_in_full(cfg):
     wrong = "y = torch.from_numpy(x.numpy().astype(np.complex64))"  # the real part right, the imaginary part 0
     v = check(COMPLEX_TASK, sol(wrong), cfg)
@@ -240,6 +248,7 @@ def test_complex_outputs_are_compared_in_full(cfg):
     assert check(COMPLEX_TASK, sol(honest), cfg).correct
 
 
+@pytest.mark.slow
 def test_integer_and_bool_outputs_are_compared_exactly(cfg):
     src = task("(x > 0.5)", "[torch.randn(64, 256)]")
     off = "y = torch.from_numpy(x.numpy() > 0.49)"  # allclose would pass a bool off in a few elements
@@ -319,6 +328,7 @@ if y is None:
 """
 
 
+@pytest.mark.slow
 def test_a_thread_that_watches_the_input_buffers_is_stopped_until_the_clock_runs(pcfg, honest):
     """The input region is the same buffer every call, so a thread of the candidate's could watch it and start
     on new inputs the moment they appear; forward then returns the watcher's answer. The driver writes them

@@ -312,6 +312,7 @@ for _p in {paths!r}:
 '''
 
 
+@pytest.mark.slow
 @BWRAP
 def test_candidate_child_sees_no_cache_repo_or_siblings(ws, cfg):
     """Needs the candidate child to be run with hide=sandbox.hidden(cfg, workspace)."""
@@ -321,6 +322,7 @@ def test_candidate_child_sees_no_cache_repo_or_siblings(ws, cfg):
     assert v.correct and v.error is None, v.to_dict()
 
 
+@pytest.mark.slow
 def test_honest_workspace_still_correct(ws, cfg):
     v = within(lambda: sandbox.check(RELU_TASK, str(ws), cfg), 90)
     assert v.compiled and v.correct and v.error is None and v.violation is None and score(v) >= 1, v.to_dict()

@@ -53,6 +53,7 @@ def honest(cfg):
 
 
 # ----------------------------------------------------------------------------- A. timed calls are checked calls
+@pytest.mark.slow
 def test_honest_control_every_timed_call_checked(honest, cfg):
     assert honest.timings["checked_calls"] == cfg.warmup + cfg.iters
     assert len(honest.trials) == cfg.n_trials and all(t["ok"] for t in honest.trials)
@@ -68,6 +69,7 @@ else:                                   # a call an older protocol never compare
 """
 
 
+@pytest.mark.slow
 def test_computing_only_on_counted_calls_is_caught(cfg):
     """An older protocol made 5 + 1 + warmup + iters calls and compared 7 of them (the trials, the op
     listing, the last timed call); a candidate that computed on those alone timed at ~0 ms."""
@@ -90,6 +92,7 @@ if y is None:
 """
 
 
+@pytest.mark.slow
 def test_recognising_inputs_gains_no_speed(honest, cfg):
     """Old protocol: timed inputs were 3 stored variants times a scalar, so "proportional to something seen"
     marked an uncompared call. Now every call draws fresh inputs: the shortcut never fires."""
@@ -107,6 +110,7 @@ if leak:
 """
 
 
+@pytest.mark.slow
 def test_job_file_and_environment_hold_no_seed_count_or_plan(cfg):
     v = check(RELU_TASK, sol(WORK, init=READ_PLAN.format(keys=PLAN_KEYS)), cfg)
     assert v.correct and v.error is None, v.to_dict()
@@ -127,6 +131,7 @@ if leak:
 """
 
 
+@pytest.mark.slow
 def test_walking_the_workers_frames_finds_no_future_seed(cfg):
     """With the static scan off, a forward that walks every frame finds only the call it is in."""
     keys = tuple(k for k in PLAN_KEYS if k != "seed")  # the current request carries its own seed, nothing more
@@ -152,6 +157,7 @@ def test_static_scan_refuses_introspection_and_patching(snippet):
 
 
 # ----------------------------------------------------------------------------- import and __init__ are guarded
+@pytest.mark.slow
 def test_compute_in_init_is_refused_statically_and_dynamically(cfg):
     pre = "self.c = torch.relu(torch.randn(64, 64))"
     assert "__init__" in (static_scan(sol(WORK, init=pre), ("numpy", "sys", "threading", "time", "json")) or "")
@@ -173,6 +179,7 @@ self.register_buffer("mask", torch.tril(torch.ones(8, 8)).view(1, 1, 8, 8))
 """
 
 
+@pytest.mark.slow
 def test_honest_init_building_layers_passes(cfg):
     src = sol(WORK, init=HONEST_INIT)
     assert static_scan(src, ("numpy", "sys", "threading", "time", "json")) is None
@@ -181,6 +188,7 @@ def test_honest_init_building_layers_passes(cfg):
 
 
 # ----------------------------------------------------------------------------- C. the host's memory
+@pytest.mark.slow
 def test_an_oversized_output_never_reaches_the_host(cfg):
     """The reference output is 1 MB; a 400 MB output is refused by its shape in the child, and outputs never
     travel as messages: the driver reads the shared output region, sized by the reference."""
@@ -188,6 +196,7 @@ def test_an_oversized_output_never_reaches_the_host(cfg):
     assert not v.correct and "shape" in (v.error or ""), v.to_dict()
 
 
+@pytest.mark.slow
 def test_a_shrunk_shared_buffer_cannot_fault_the_host(cfg):
     """Inputs and outputs live in memfds the driver maps. A child that shrank one would make the driver's reads
     fault (SIGBUS); the driver seals them against shrinking and growing before the child exists."""
@@ -231,6 +240,7 @@ def test_a_malformed_or_endless_message_from_the_child_is_its_failure():
 
 
 # ----------------------------------------------------------------------------- C. baselines
+@pytest.mark.slow
 def test_an_inflated_cached_baseline_is_retimed_before_a_speedup_tier(cfg, honest):
     """A baseline timed once on a loaded machine made an honest kernel look 20x faster. Eager is timed again in
     the candidate's own child, so an inflated cached eager time awards nothing; before a tier is awarded on a
@@ -263,6 +273,7 @@ def test_an_inflated_cached_baseline_is_retimed_before_a_speedup_tier(cfg, hones
 STASH = "os.path.join(os.environ.get('TORCH_EXTENSIONS_DIR') or os.path.join(os.getcwd(), 'ext'), 'stash')"
 
 
+@pytest.mark.slow
 def test_a_stash_in_the_build_dir_does_not_survive_into_the_next_check(cfg):
     """Form (a)'s load_inline build dir is kept across checks of one source. A checked run that could write
     there could keep answers for the next check's inputs; it only ever writes into a private copy."""
@@ -313,6 +324,7 @@ def test_a_spare_outlives_the_thread_that_asked_for_it(cfg):
         spares.close()
 
 
+@pytest.mark.slow
 def test_warm_spares_serve_one_candidate_each(cfg, tmp_path):
     """Form (b) checks run in pre-started children; nothing a candidate leaves in its process, /tmp, HOME
     or job dir reaches the next candidate, and later checks find their child already started."""
@@ -328,6 +340,7 @@ def test_warm_spares_serve_one_candidate_each(cfg, tmp_path):
         ([v.timings for v in verdicts], sandbox._SPARES.last_error)
 
 
+@pytest.mark.slow
 def test_form_a_builds_in_a_warm_build_child(cfg):
     """With spares on, a single-file (form a) solution is built in a pre-started build child that writes only its
     own job dir; the host copies the build (links refused) into the cache and removes the child's dir."""

@@ -266,6 +266,7 @@ def _cfg(tmp_path, name, **kw):
     return cfg
 
 
+@pytest.mark.slow
 def test_same_seed_same_dataset_and_resume(tmp_path):
     a = _cfg(tmp_path, "a")
     assert synth.main(a) == 0
@@ -344,6 +345,7 @@ def _check_demo(idx, row, device, profile):
     assert v.correct and reward.reward_from_verdict(v.to_dict()) >= 1, (idx, v.error, v.violation, v.compile_log[-500:])
 
 
+@pytest.mark.slow
 def test_two_shipped_cpu_demos_pass_the_sandbox():
     cpu = [(i, r) for i, r in _demo_index() if i["backend"] == "cpu"]
     for idx, row in cpu[:2]:
@@ -387,6 +389,7 @@ def test_gpu_small_synth_run(tmp_path):
         assert 1.0 <= r["eager_ms"] <= 100.0 and r["device"] == "cuda"
 
 
+@pytest.mark.slow
 def test_shipped_cuda_demos_compile_with_nvcc(tmp_path):
     import shutil
     if not shutil.which("nvcc"):

@@ -47,6 +47,7 @@ def one_line_error(rc, err, *words):
 # --------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_eval_without_kernelbench_says_where_to_get_it(tmp_path):
     """The README's command on a machine with no KernelBench: one line naming the flag, before any work."""
     t0 = time.time()
@@ -56,6 +57,7 @@ def test_eval_without_kernelbench_says_where_to_get_it(tmp_path):
     assert not (tmp_path / "runs").exists()                   # no run folder for a run that never started
 
 
+@pytest.mark.slow
 def test_eval_finds_kernelbench_dir_from_the_environment(tmp_path):
     """$KERNELBENCH_DIR is the documented default location; the next missing piece (a policy) is named."""
     rc, _, err = run("kernelbench_eval.py", "--level", "2", cwd=tmp_path, env_extra={"KERNELBENCH_DIR": FIX})
@@ -87,6 +89,7 @@ def test_eval_bad_arguments_are_one_line(tmp_path, monkeypatch, capsys, args, wo
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(bool(__import__("torch").cuda.is_available()), reason="checks the no-GPU message")
 def test_eval_cuda_without_gpu_is_refused_before_work(tmp_path):
     rc, _, err = run("kernelbench_eval.py", "--kernelbench-dir", FIX, "--samples-dir", os.path.join(FIX, "samples"),
@@ -94,6 +97,7 @@ def test_eval_cuda_without_gpu_is_refused_before_work(tmp_path):
     one_line_error(rc, err, "--sandbox.device")
 
 
+@pytest.mark.slow
 def test_eval_runs_then_refuses_another_runs_resume(tmp_path):
     """Fixtures + samples mode runs (exit 0, config.json records the run); an agent run into the same folder
     is refused instead of reporting the old run's numbers; --no-resume starts afresh."""
@@ -120,6 +124,7 @@ def test_eval_runs_then_refuses_another_runs_resume(tmp_path):
 # --------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_check_exit_codes(tmp_path, capsys):
     """0 correct, 1 not correct, 2 bad input: in-process for the verdicts, a child for the one-line error."""
     flags = ["--sandbox.device", "cpu", "--sandbox.no-profile", "--sandbox.cache-dir", str(tmp_path / "c")]
@@ -135,6 +140,7 @@ def test_check_exit_codes(tmp_path, capsys):
     one_line_error(rc, capsys.readouterr().err, "--sandbox.device")
 
 
+@pytest.mark.slow
 def test_solve_refuses_a_policy_without_its_argument(tmp_path, capsys):
     rc, _, err = run("cuda_agent.py", "solve", TASK, "--out", tmp_path / "o", cwd=tmp_path)
     one_line_error(rc, err, "--policy.script")
@@ -145,6 +151,7 @@ def test_solve_refuses_a_policy_without_its_argument(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow
 def test_help_documents_exit_codes(tmp_path):
     rc, out, _ = run("kernelbench_eval.py", "--help", cwd=tmp_path)
     assert rc == 0 and "Exit codes" in out and "$KERNELBENCH_DIR" in out
