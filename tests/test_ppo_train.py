@@ -98,7 +98,9 @@ def test_two_process_data_parallel_run(tmp_path):
     (it raises otherwise). This caught both ranks believing they were rank 0 and racing on checkpoint.pt."""
     # one demonstration per global batch (25% of 4): it lands on rank 0 only, so the RFT filter keeps
     # trajectories on one rank and none on the other, and SFT must still run on both in step
-    kw = dict(SMALL, out=str(tmp_path / "ddp"), batch_size=4, rft_rollouts=4, demo_fraction=0.25)
+    kw = dict(SMALL, out=str(tmp_path / "ddp"))
+    kw |= {"warmup.batch_size": 4, "value.batch_size": 4, "agent.batch_size": 4, "rft.rollouts": 4,
+           "demos.fraction": 0.25}
     script = tmp_path / "run.py"
     script.write_text(SCRIPT.format(root=ROOT))
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
