@@ -8,8 +8,9 @@
     python cuda_agent.py synth [--n-candidates N] [--out data/synth.jsonl]
     python kernelbench_eval.py --level 2                # KernelBench evaluation (its own entry point)
 
-Configs nest the configs of the parts they drive (`--env.max-turns`, `--sandbox.atol`, `--policy.model`);
-the string under each dataclass field is its `--help`. `python cuda_agent.py CMD --help` lists them.
+Configs nest the configs of the parts they drive (`--env.max-turns`, `--sandbox.atol`, `--policy.model`; train's
+groups in train_config.py: `--ppo.lr-actor`, `--rft.steps`, `--pool.gpus`, ...); the string under each dataclass
+field is its `--help`. `python cuda_agent.py CMD --help` lists them.
 --sandbox.device auto (the default of train, check, solve, synth and kernelbench_eval, and train's --device) is
 cuda when torch lists a GPU, else cpu. solve's budgets follow the machine too: the paper's 150 turns with a GPU,
 20 turns, 32k tokens and 1024 tokens per turn without one.
@@ -40,8 +41,6 @@ import synth
 import tasks
 import tools
 import train
-
-# --------------------------------------------------------------------------------------------------
 import train_config
 
 # --------------------------------------------------------------------------------------------------
@@ -180,11 +179,8 @@ def solve(cfg: SolveConfig) -> int:
     finally:
         pool.close()
     tasks.save_trajectories(os.path.join(cfg.out, "trajectory.jsonl"), [traj])
-    best = os.path.join(cfg.out, "best")
-    tools.make_workspace(best, task.code, sb.device, layout=cfg.env.workspace)
-    for rel in list(tools.snapshot(best)):          # the scaffold goes; the best snapshot comes in
-        os.remove(os.path.join(best, rel))
-    tools.write_files(best, traj.best_files)
+    best = tools.restore_best(os.path.join(cfg.out, "best"), task.code, sb.device, traj.best_files,
+                              layout=cfg.env.workspace)
     print(f"\n{traj.task}: stop={traj.stop_reason} turns={len(traj.turns)} invalid_calls={traj.invalid_calls} "
           f"repeated_calls={traj.repeated_calls} best_reward={traj.best_reward} final_reward={traj.final_reward}")
     print(f"saved {os.path.join(cfg.out, 'trajectory.jsonl')} and {best}/")
@@ -217,10 +213,10 @@ def pop_preset(argv: list[str], presets: dict) -> tuple[str, list[str]]:
 
 def cmd_train(argv: list[str]) -> int:
     name, argv = pop_preset(argv, train_config.PRESETS)
-    base = dataclasses.replace(train_config.PRESETS[name], preset=name)
-    cfg = tyro.cli(train_config.TrainConfig, args=argv, default=base, prog="cuda_agent.py train",
-                   description="RL training: warm-up, RFT, value pretraining, agentic PPO (paper §3.3). "
-                               f"--preset {'|'.join(train_config.PRESETS)} picks the defaults (first: default).")
+    cfg = train_config.parse(argv, name, prog="cuda_agent.py train",
+                             description="RL training: warm-up, RFT, value pretraining, agentic PPO (paper §3.3). "
+                                         f"--preset {'|'.join(train_config.PRESETS)} picks the defaults (first: "
+                                         "default).")
     return train.train(cfg)
 
 

@@ -222,15 +222,13 @@ class EnvConfig:
     max_turns: int = 150
     """turn limit (paper: 150 in training, 200 in evaluation)"""
     max_context_tokens: int = 131072
-    """token budget of an episode (paper: 128k agentic), held before each turn: a turn samples at most what the
-    prompt leaves of it, and an episode with no room left for a turn stops ("context")"""
+    """token budget of an episode (paper: 128k agentic); a turn samples at most what the prompt leaves of it"""
     single_turn: bool = False
     """no tools: one response holding model_new.py and kernels in fenced blocks (the warm-up stage)"""
     work_dir: str = "runs/workspaces"
     """parent directory of the per-episode workspaces"""
     workspace: str = "ctypes"
-    """the workspace's form (tools.LAYOUTS): "ctypes" (kernels/*.cu|cpp loaded through ctypes) | "cuda_extension"
-    (the paper's released layout: kernels/NAME.cu + NAME_binding.cpp built into one torch extension)"""
+    """workspace form (tools.LAYOUTS): ctypes (kernels loaded through ctypes) | cuda_extension (the paper's)"""
     reward: str = "milestone"
     """reward kind of every verdict (reward.py): "milestone" (Eq. 1) | "speedup" (ablation)"""
     bash_timeout_s: float = 60.0
@@ -240,8 +238,7 @@ class EnvConfig:
     tool_workers: int = 16
     """threads running episodes' tool calls concurrently"""
     overlap_turns: bool = True
-    """with a policy that streams (HFPolicy on generate.Engine), each episode's next turn is sampled as soon as
-    its tools finish, beside the other episodes' turns; off: all active episodes act together, turn by turn"""
+    """streaming policies: sample an episode's next turn as soon as its tools finish; off: all turn by turn"""
     final_check: bool = True
     """profile the final workspace at the end of each episode"""
     ncu: bool = True

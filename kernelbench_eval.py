@@ -514,11 +514,8 @@ def _best_of_trajectory(p: Task, t, pool, cfg: EvalConfig, scfg) -> dict:
     v = t.best_verdict
     if v is None:
         return error_verdict("the episode produced no verified solution", stage="load")
-    ws = os.path.join(cfg.out, "best", f"level_{p.level}_problem_{p.problem_id}")
-    tools.make_workspace(ws, p.code, cfg.sandbox.device)
-    for rel in list(tools.snapshot(ws)):          # scaffold out, best snapshot in (as `solve` does)
-        os.remove(os.path.join(ws, rel))
-    tools.write_files(ws, t.best_files)
+    ws = tools.restore_best(os.path.join(cfg.out, "best", f"level_{p.level}_problem_{p.problem_id}"), p.code,
+                            cfg.sandbox.device, t.best_files)
     if cfg.sandbox.profile and passed(v) and v.get("candidate_ms") is None:
         v = pool.submit(p.code, ws, scfg).result().to_dict()
     return v

@@ -539,7 +539,20 @@ class ReplayPolicy:
 
 
 @dataclass
-class PolicyConfig:
+class SamplerConfig:
+    """How a model's turns are sampled: the rollouts of `train` and an hf or openai policy."""
+    max_new_tokens: int = 4096
+    """tokens per assistant turn"""
+    temperature: float = 0.7
+    """sampling temperature (0: greedy); training computes its log-probs at the same temperature"""
+    kv_budget_gib: float | None = None
+    """hf: GPU memory for the rollout engine's KV caches; beyond it idle episodes go to host memory (None: no limit)"""
+    experts: str | None = None
+    """hf: MoE experts implementation for the rollout engine ("fused": moe_kernel.py's Triton decode kernels)"""
+
+
+@dataclass
+class PolicyConfig(SamplerConfig):
     kind: str = "replay"
     """who acts: "replay" (scripted) | "hf" (local transformers model) | "openai" (chat endpoint)"""
     model: str | None = None
@@ -553,15 +566,6 @@ class PolicyConfig:
     """openai: environment variable holding the API key"""
     script: str | None = None
     """replay: trajectory JSONL, or a JSON list of assistant messages (the same for every episode)"""
-    max_new_tokens: int = 4096
-    """tokens per assistant turn"""
-    temperature: float = 0.7
-    """sampling temperature (0: greedy)"""
-    kv_budget_gib: float | None = None
-    """hf: GPU memory for KV caches of the rollout engine; idle episodes are offloaded to host memory beyond it
-    (None: no limit)"""
-    experts: str | None = None
-    """hf: MoE experts implementation for the rollout engine ("fused": moe_kernel.py's Triton decode kernels)"""
 
 
 def sized_policy() -> PolicyConfig:

@@ -18,7 +18,7 @@
   * Long trajectories: log-probs and entropies are computed at policy tokens only, with the vocabulary
     projection in checkpointed chunks of LOGIT_CHUNK positions (`token_logprobs`): the (T, V) fp32 logits
     never exist (3.5 GiB per 1k tokens at Qwen3's 152k vocabulary). GAE is a scan, not a loop over T. With
-    --offload-activations the forwards of `ppo_update` and `sft_update` keep what they save for the backward
+    --ppo.offload-activations the forwards of `ppo_update` and `sft_update` keep what they save for the backward
     in host memory (`offload_activations`); with gradient checkpointing that is each decoder layer's input,
     (T, H) per layer. `score` runs without autograd and saves nothing, so the flag does not touch it.
 
@@ -30,11 +30,11 @@ Departures from the paper (the rest are listed in train.py):
      Triton experts, CUDA graphs: on an H100 with the paper preset, 0.068 nats per policy token on average,
      5.1% of policy tokens with a sampler/trainer ratio outside the clip range [0.8, 1.28]). The gap is
      logged every PPO step (`sampler_gap`: logp_gap, gap_clip_share). Like the paper, we do not correct it by
-     default; --tis-cap C weights each token's policy loss by min(pi_old / pi_sampler, C) (`tis_weights`,
+     default; --ppo.tis-cap C weights each token's policy loss by min(pi_old / pi_sampler, C) (`tis_weights`,
      truncated importance sampling as verl's rollout correction does; off by default).
   3. Not stated in the paper, so ours: advantage whitening over the batch, value clipping (off), entropy
      bonus and KL (off; its reference is a frozen copy of the actor, `snapshot_reference`), gradient-norm
-     clipping at 1.0 per optimizer (--max-grad-norm), and a constant learning rate (no warm-up, no decay).
+     clipping at 1.0 per optimizer (--ppo.max-grad-norm), and a constant learning rate (no warm-up, no decay).
 
 Smoke: python -m pytest -q tests/test_ppo.py tests/test_ppo_learning.py
 """
@@ -43,11 +43,54 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+
+from tasks import Trajectory
+
+
+@dataclass
+class PPOConfig:
+    """The settings of the updates (`make_optimizers`, `ppo_update`, `sft_update`) and of the advantages that feed
+    them. Defaults: the tiny preset's; the paper preset's are in train_config.py."""
+    lr_actor: float = 2e-4
+    """actor LoRA learning rate of stages 1 and 4 (paper, full fine-tuning: 3e-6; LoRA needs ~10x more)"""
+    lr_critic: float = 4e-3
+    """critic LoRA learning rate (paper, full fine-tuning: 6e-6)"""
+    lr_head: float = 1e-2
+    """learning rate of the freshly initialised scalar value head"""
+    micro_batch_size: int = 2
+    """trajectories per forward/backward (gradient accumulation; the loss is invariant to it)"""
+    epochs: int = 4
+    """passes over each batch (paper: "one update per batch" -> 1)"""
+    num_minibatches: int = 2
+    """optimizer steps per epoch (paper: 1)"""
+    eps_low: float = 0.2
+    """lower clip range of the ratio (Eq. 5)"""
+    eps_high: float = 0.28
+    """upper clip range of the ratio, clip-higher (Eq. 5)"""
+    gamma: float = 1.0
+    """GAE discount (paper: 1)"""
+    lam: float = 1.0
+    """GAE lambda of stages 1 and 4 (paper: 0.95; tiny: 1, advantages R - V(s_t))"""
+    kl_coef: float = 0.1
+    """k3 KL penalty against the actor as each PPO stage found it (paper: not stated; 0 = off)"""
+    entropy_coef: float = 0.0
+    """entropy bonus (paper: not stated; 0 = off)"""
+    vf_clip: float | None = None
+    """value-loss clip range around the old values (None = unclipped)"""
+    tis_cap: float | None = None
+    """truncated importance sampling cap C, min(pi_old / pi_sampler, C) per token (`tis_weights`); None = off"""
+    whiten_advantages: bool = True
+    """whiten advantages over the batch (paper: not stated)"""
+    max_grad_norm: float = 1.0
+    """gradient-norm clip per optimizer (paper: not stated)"""
+    offload_activations: bool = False
+    """keep the tensors each update forward saves for its backward in pinned host memory (`offload_activations`)"""
 
 # ----------------------------------------------------------------------------------------------------------
 # Pure math. Every tensor is (B, T): B trajectories, T token positions. `mask` is 1.0 on policy (action)
@@ -167,7 +210,7 @@ def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tenso
     """Clipped-ratio PPO loss with clip-higher (Eq. 5, §4.1: eps_low 0.2, eps_high 0.28).
 
     logp, old_logp, adv, mask: (B, T). is_weight (B, T), optional and detached: each token's clipped loss is
-    multiplied by it (`tis_weights`, --tis-cap; None = 1, the paper). Returns (scalar loss, stats) where stats
+    multiplied by it (`tis_weights`, --ppo.tis-cap; None = 1, the paper). Returns (scalar loss, stats) where stats
     has the token-mean `clipfrac` (share of tokens where the clipped branch is active) and `approx_kl` (k3
     estimator, E[(r - 1) - log r], r = pi/pi_old, which is >= 0 and unbiased for KL(pi_old || pi)).
     """
@@ -187,7 +230,7 @@ def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tenso
 
 @torch.no_grad()
 def tis_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, cap: float) -> torch.Tensor:
-    """Truncated importance weights for the sampler-trainer gap (--tis-cap; verl's token-level rollout
+    """Truncated importance weights for the sampler-trainer gap (--ppo.tis-cap; verl's token-level rollout
     correction): w = min(pi_old / pi_sampler, cap) = min(exp(old_logp - sampler_logp), cap) where mask == 1,
     1 elsewhere (rows without sampler log-probs, such as replayed demonstrations, have mask 0). All (B, T).
     The tokens were drawn by the sampler, so w re-weights the trainer's loss toward the trainer's own policy;
@@ -203,7 +246,7 @@ def sampler_gap(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.
     tokens that have sampler log-probs (mask (B, T)), summed over data-parallel ranks (every rank must call it):
     `logp_gap`, the token mean of |old_logp - sampler_logp| in nats; `gap_clip_share`, the share of tokens whose
     ratio pi_old / pi_sampler lies outside the clip range [1 - eps_low, 1 + eps_high] (what the clip would already
-    cut before the policy moved); with `cap`, `tis_capped_share`, the share truncated by --tis-cap. Empty when
+    cut before the policy moved); with `cap`, `tis_capped_share`, the share truncated by --ppo.tis-cap. Empty when
     no rank has such a token."""
     on = mask > 0
     d = (old_logp - sampler_logp)[on]                                       # (N,) log pi_old - log pi_sampler
@@ -240,7 +283,7 @@ def value_loss(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor,
                num_traj: int | None = None) -> torch.Tensor:
-    """k3 estimate of KL(pi || pi_ref) per token, aggregated like the policy loss (optional, --kl-coef)."""
+    """k3 estimate of KL(pi || pi_ref) per token, aggregated like the policy loss (optional, --ppo.kl-coef)."""
     log_r = (ref_logp - logp) * mask
     return _per_trajectory_then_batch(torch.exp(log_r) - 1.0 - log_r, mask, num_traj)
 
@@ -250,21 +293,30 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor,
 # malformed tool calls.
 
 
-def _call_key(call) -> str:
-    """A hashable identity for one tool call: its name + arguments (the call id is ignored).
+def truncated(t: Trajectory) -> bool:
+    """The episode hit the turn or context limit, or a turn hit the token limit."""
+    return t.stop_reason in ("max_turns", "context") or any(x.get("finish_reason") == "length" for x in t.turns)
 
-    Accepts OpenAI-format calls {"function": {"name", "arguments": JSON string}}, flat {"tool"/"name",
-    "args"/"arguments"} dicts, or anything else (compared by its text)."""
-    if not isinstance(call, dict):
-        return str(call)
-    f = call.get("function", call)
-    name, args = f.get("name", f.get("tool")), f.get("arguments", f.get("args"))
+
+def _call_key(name: str, args) -> str:
+    """A hashable identity for one tool call: its name + arguments (parsed when they are JSON text)."""
     if isinstance(args, str):
         try:
             args = json.loads(args)
         except json.JSONDecodeError:
             pass
     return json.dumps({"tool": name, "args": args}, sort_keys=True, default=str)
+
+
+def _call_keys(t: Trajectory) -> tuple[list[str], int]:
+    """(the identity of each tool call in order, malformed ones included; the number of invalid calls: those
+    the env answered with an error and the malformed ones it could not parse)."""
+    keys, invalid = [], 0
+    for turn in t.turns:
+        keys += [_call_key(c["name"], c["args_text"]) for c in turn["calls"]]
+        keys += [_call_key("<malformed>", e) for e in turn.get("errors", [])]
+        invalid += sum(c.get("error") is not None for c in turn["calls"]) + len(turn.get("errors", []))
+    return keys, invalid
 
 
 def _has_loop(keys: list[str], max_period: int, min_repeats: int) -> bool:
@@ -278,16 +330,15 @@ def _has_loop(keys: list[str], max_period: int, min_repeats: int) -> bool:
     return False
 
 
-def rft_filter(trajectories: list[dict], min_reward: float = 0.0, max_identical_calls: int | None = None,
+def rft_filter(trajectories: list[Trajectory], min_reward: float = 0.0, max_identical_calls: int | None = None,
                max_consecutive_identical: int = 1, loop_period: int = 4, loop_repeats: int = 3,
-               max_invalid_calls: int = 0, drop_truncated: bool = False) -> list[dict]:
+               max_invalid_calls: int = 0, drop_truncated: bool = False) -> list[Trajectory]:
     """Return the trajectories worth imitating (§3.3 stage 2), in their original order.
 
-    Each trajectory is a dict with `reward` (float) and `tool_calls`: a list of calls, each a dict
-    {"tool", "args", "valid"} (or any object; `valid` defaults to True). Optional `truncated` (bool).
-    A trajectory is dropped when:
-      - reward <= min_reward;
-      - it made more than `max_invalid_calls` invalid (malformed / unknown tool) calls;
+    A trajectory is judged by its final_reward, its tool calls (each turn's `calls`, an invalid one carrying an
+    `error`, and its malformed `errors`) and `truncated`. It is dropped when:
+      - final_reward <= min_reward;
+      - it made more than `max_invalid_calls` invalid (malformed / unknown tool / bad arguments) calls;
       - the same call (tool + args) occurs more than `max_identical_calls` times in total (off by default:
         re-running the same compile/verify command after each edit is normal);
       - the same call occurs more than `max_consecutive_identical` times in a row (a redundant turn);
@@ -296,14 +347,13 @@ def rft_filter(trajectories: list[dict], min_reward: float = 0.0, max_identical_
     """
     kept = []
     for tr in trajectories:
-        if float(tr["reward"]) <= min_reward:
+        if float(tr.final_reward) <= min_reward:
             continue
-        if drop_truncated and tr.get("truncated", False):
+        if drop_truncated and truncated(tr):
             continue
-        calls = tr.get("tool_calls", [])
-        if sum(1 for c in calls if isinstance(c, dict) and not c.get("valid", True)) > max_invalid_calls:
+        keys, invalid = _call_keys(tr)
+        if invalid > max_invalid_calls:
             continue
-        keys = [_call_key(c) for c in calls]
         if max_identical_calls is not None and keys and max(keys.count(k) for k in set(keys)) > max_identical_calls:
             continue
         run, worst = 1, 1 if keys else 0
@@ -357,7 +407,7 @@ def add_actor_critic_adapters(base, rank: int, alpha: float, targets: str, dropo
     """
     names = [t.strip() for t in targets.split(",") if t.strip()]
     unknown = [t for t in names if t not in LORA_TARGETS]
-    assert not unknown, f"unknown --lora-targets {unknown}; choose from {sorted(LORA_TARGETS)}"
+    assert not unknown, f"unknown --lora.targets {unknown}; choose from {sorted(LORA_TARGETS)}"
     leaf = {n.rsplit(".", 1)[-1] for n, _ in base.named_modules()}
     pnames = [n for n, _ in base.named_parameters()]
     modules = [m for t in names for m in LORA_TARGETS[t].get("modules", []) if m in leaf]
@@ -482,7 +532,7 @@ def critic_values(model, head: torch.nn.Module, ids: torch.Tensor, attn: torch.T
     return torch.nn.functional.pad(v[:, :-1], (1, 0))
 
 
-def make_optimizers(model, head, cfg) -> dict:
+def make_optimizers(model, head, cfg: PPOConfig) -> dict:
     """AdamW per role: actor LoRA at lr_actor; critic LoRA at lr_critic and the fresh value head at lr_head."""
     return {"actor": torch.optim.AdamW(adapter_params(model, "actor"), lr=cfg.lr_actor, weight_decay=0.0),
             "critic": torch.optim.AdamW([{"params": adapter_params(model, "critic"), "lr": cfg.lr_critic},
@@ -503,7 +553,7 @@ def _empty_with_layout(t: torch.Tensor, device: torch.device, pin: bool) -> torc
 
 
 def offload_activations(on: bool, stats: dict | None = None):
-    """A context around a forward whose backward comes later (--offload-activations; ours, for the 128k-token
+    """A context around a forward whose backward comes later (--ppo.offload-activations; ours, for the 128k-token
     agentic context of §4.1 on one GPU): each tensor that autograd saves for the backward inside it is copied to
     host memory (pinned when it is on a GPU, the copy queued on the current stream) and copied back when the
     backward unpacks it. Frozen parameters, broadcast views and tensors under OFFLOAD_MIN_BYTES stay where they
@@ -662,12 +712,13 @@ def all_reduce_grads(params: list[torch.nn.Parameter]) -> None:
         off += n
 
 
-def ppo_update(model, head, opt: dict, cfg, b_ids, b_attn, b_mask, b_logp, b_values, b_adv, b_returns,
-               b_ref_logp=None, n_global: int | None = None, train_actor: bool = True, train_critic: bool = True,
-               b_tis=None) -> dict:
+def ppo_update(model, head, opt: dict, cfg: PPOConfig, temperature: float, b_ids, b_attn, b_mask, b_logp,
+               b_values, b_adv, b_returns, b_ref_logp=None, n_global: int | None = None, train_actor: bool = True,
+               train_critic: bool = True, b_tis=None) -> dict:
     """PPO epochs (Eq. 5): clipped policy loss (+ optional KL to the reference policy, `snapshot_reference`, +
-    optional entropy bonus) on the actor, value loss on the critic. All tensors (B, T); b_tis: optional
-    truncated importance weights on the policy loss (`tis_weights`, --tis-cap). One optimizer step per
+    optional entropy bonus) on the actor, value loss on the critic; log-probs at the sampling `temperature`.
+    All tensors (B, T); b_tis: optional truncated importance weights on the policy loss (`tis_weights`,
+    --ppo.tis-cap). One optimizer step per
     minibatch; micro-batches accumulate gradients with the full-minibatch trajectory count (§4.1: mean over
     each trajectory's tokens, then over trajectories), so the update does not depend on the micro-batch size.
     A micro-batch with no policy token adds nothing to any loss and is skipped (its log-probs would carry no
@@ -677,10 +728,10 @@ def ppo_update(model, head, opt: dict, cfg, b_ids, b_attn, b_mask, b_logp, b_val
     n_all = int(global_sum(torch.tensor(float(B), device=b_ids.device)).item())
     assert n_global is None or n_global == n_all, f"n_global {n_global} != {n_all} trajectories over all ranks"
     stats: dict[str, list[float]] = {}
-    off = {}  # bytes copied to host by the forwards of this update (--offload-activations)
+    off = {}  # bytes copied to host by the forwards of this update (--ppo.offload-activations)
     actor_ps, critic_ps = adapter_params(model, "actor"), adapter_params(model, "critic") + list(head.parameters())
     model.train()  # gradient checkpointing (if enabled) is active in train mode; LoRA dropout is 0
-    for _epoch in range(cfg.ppo_epochs):
+    for _epoch in range(cfg.epochs):
         # exactly num_minibatches per rank (some may be empty), so every rank takes the same optimizer steps
         # and all-reduces in step even when ranks hold different counts (1024 trajectories on 6 GPUs)
         for mb in (m.tolist() for m in torch.tensor_split(torch.randperm(B), cfg.num_minibatches)):
@@ -696,7 +747,7 @@ def ppo_update(model, head, opt: dict, cfg, b_ids, b_attn, b_mask, b_logp, b_val
                 scale = n_traj / len(rows)  # per-micro-batch loss -> its own mean, for the logs
                 if train_actor:
                     with offload_activations(cfg.offload_activations, off):
-                        logp, ent = actor_logprobs(model, ids, attn, cfg.temperature, with_entropy=True, mask=mask,
+                        logp, ent = actor_logprobs(model, ids, attn, temperature, with_entropy=True, mask=mask,
                                                    entropy_grad=cfg.entropy_coef > 0)                  # (b, T)
                     pg, st = ppo_policy_loss(logp, b_logp[rows, :T], b_adv[rows, :T], mask, cfg.eps_low,
                                              cfg.eps_high, num_traj=n_traj,
@@ -732,7 +783,8 @@ def ppo_update(model, head, opt: dict, cfg, b_ids, b_attn, b_mask, b_logp, b_val
     return {k: sum(v) / len(v) for k, v in stats.items()}
 
 
-def sft_update(model, opt_actor, cfg, b_ids, b_attn, b_mask, n_global: int | None = None) -> dict:
+def sft_update(model, opt_actor, cfg: PPOConfig, temperature: float, b_ids, b_attn, b_mask,
+               n_global: int | None = None) -> dict:
     """One RFT step (§3.3 stage 2): next-token NLL on the action tokens only (b_mask == 1), averaged per
     trajectory then over trajectories; one optimizer step over the batch (micro-batched). cfg.offload_activations:
     as in `ppo_update`."""
@@ -745,7 +797,7 @@ def sft_update(model, opt_actor, cfg, b_ids, b_attn, b_mask, n_global: int | Non
         if not b_mask[rows, :T].any():  # nothing to imitate (and no graph to differentiate)
             continue
         with offload_activations(cfg.offload_activations):
-            logp, _ = actor_logprobs(model, b_ids[rows, :T], b_attn[rows, :T], cfg.temperature,
+            logp, _ = actor_logprobs(model, b_ids[rows, :T], b_attn[rows, :T], temperature,
                                      mask=b_mask[rows, :T])                                            # (b, T)
         loss = _per_trajectory_then_batch(-logp, b_mask[rows, :T], n_all)
         loss.backward()

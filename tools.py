@@ -127,6 +127,16 @@ def write_files(ws: str, files: dict[str, str]) -> None:
         workspace.write_text(p, text)
 
 
+def restore_best(ws: str, task_src: str, device: str, files: dict[str, str], layout: str = "ctypes") -> str:
+    """A fresh workspace at `ws` holding an episode's best snapshot (Trajectory.best_files) in place of the
+    scaffold's own files: what `solve` saves as OUT/best and kernelbench_eval profiles. Returns ws."""
+    make_workspace(ws, task_src, device, layout=layout)
+    for rel in list(snapshot(ws)):
+        os.remove(os.path.join(ws, rel))
+    write_files(ws, files)
+    return ws
+
+
 # --------------------------------------------------------------------------------------------------
 # Schemas
 # --------------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ ppo.add_actor_critic_adapters (attention + fused experts through peft target_par
 the code `train` runs: the phases of train.ppo_iteration (ppo.score: old log-probs at the policy tokens and
 values; ppo.compute_gae; ppo.ppo_update: one clipped actor step and one critic step, gradient checkpointing),
 for each trajectory length in --seqs, with --batch trajectories of that length, --micro per forward, once per
---offload mode (off: activations on the GPU; on: --offload-activations, ppo.offload_activations, what the
+--offload mode (off: activations on the GPU; on: --ppo.offload-activations, ppo.offload_activations, what the
 update saves for its backward waits in pinned host memory). Scoring runs without autograd and saves nothing,
 so the flag does not change it: its rows under "on" repeat the measurement. Before the rows, one unreported
 warm-up row (--warmup-seq tokens) compiles the kernels and allocates the AdamW state, so every row holds it,
@@ -139,7 +139,7 @@ def memory(model, head, opt: dict, dev: torch.device) -> dict:
                    inactive_split_GiB=gib(st.get("inactive_split_bytes.all.current", 0)),
                    num_alloc_retries=st.get("num_alloc_retries", 0), num_ooms=st.get("num_ooms", 0),
                    device_total_GiB=gib(torch.cuda.get_device_properties(dev).total_memory))
-        try:  # the pinned host allocator (where --offload-activations puts the saved tensors)
+        try:  # the pinned host allocator (where --ppo.offload-activations puts the saved tensors)
             hst = torch.cuda.host_memory_stats()
             out["host_pinned_peak_GiB"] = gib(hst.get("allocated_bytes.peak", 0))
         except Exception:  # noqa: BLE001 - older torch: no host allocator statistics
@@ -226,8 +226,7 @@ def main(argv: list[str] | None = None) -> int:
                grad_ckpt=not a.no_grad_ckpt, experts_impl=str(getattr(conf, "_experts_implementation", None)),
                build_s=round(time.time() - t0, 1), weights_GiB=peak_gib(dev))
     save({k: v for k, v in res.items() if k != "rows"})
-    cfg = dataclasses.replace(train_config.PRESETS["paper"], ppo_epochs=1, num_minibatches=1,
-                              grad_checkpointing=not a.no_grad_ckpt)
+    cfg = dataclasses.replace(train_config.PRESETS["paper"].ppo, epochs=1, num_minibatches=1)
     opt = ppo.make_optimizers(model, head, cfg)
 
     if a.gen_batch > 0:  # rollout: generation with the actor adapter (KV cache, sampling)
@@ -309,9 +308,10 @@ def phase(name: str, row: dict, save, model, head, opt, dev: torch.device, mem_s
 
 def run_row(a, row: dict, save, model, head, opt, cfg, conf, dev, mem_sites: bool) -> None:
     """One row: row["batch"] trajectories of row["seq"] tokens, scored then updated (micro-batches of
-    row["micro"]), with --offload-activations as row["offload"] says."""
+    row["micro"]), with --ppo.offload-activations as row["offload"] says."""
     seq, batch, micro = row["seq"], row["batch"], row["micro"]
     cfg = dataclasses.replace(cfg, micro_batch_size=micro, offload_activations=row["offload"])
+    temperature = train_config.PRESETS["paper"].sampler.temperature
     g = torch.Generator().manual_seed(seq)
     ids = [torch.randint(0, conf.vocab_size, (seq,), generator=g).tolist() for _ in range(batch)]
     n_prompt = int(seq * a.prompt_frac)
@@ -323,7 +323,7 @@ def run_row(a, row: dict, save, model, head, opt, cfg, conf, dev, mem_sites: boo
     sc = {}
 
     def score():  # 2-4) old log-probs at the policy tokens, values (B, T); GAE + whitening
-        b_values, b_logp, _ = ppo.score(model, head, b_ids, b_attn, micro, cfg.temperature, b_mask=b_mask)
+        b_values, b_logp, _ = ppo.score(model, head, b_ids, b_attn, micro, temperature, b_mask=b_mask)
         b_adv, b_returns = ppo.compute_gae(b_rewards, b_values, b_mask, cfg.gamma, cfg.lam)
         sc.update(b_values=b_values, b_logp=b_logp, b_adv=ppo.whiten_advantages(b_adv, b_mask), b_returns=b_returns)
 
@@ -346,8 +346,8 @@ def run_row(a, row: dict, save, model, head, opt, cfg, conf, dev, mem_sites: boo
         save({"row": row})
 
     def update():  # 5) one PPO update: actor (clipped loss, entropy) + critic (value loss), one AdamW step each
-        st = ppo.ppo_update(model, head, opt, cfg, b_ids, b_attn, b_mask, sc["b_logp"], sc["b_values"], sc["b_adv"],
-                            sc["b_returns"], n_global=batch)
+        st = ppo.ppo_update(model, head, opt, cfg, temperature, b_ids, b_attn, b_mask, sc["b_logp"], sc["b_values"],
+                            sc["b_adv"], sc["b_returns"], n_global=batch)
         row["stats"] = {k: round(v, 4) for k, v in st.items()}
         if "offload_GiB" in st:
             row["update_offload_GiB"] = round(st["offload_GiB"], 6)  # copied to host per forward (mean)

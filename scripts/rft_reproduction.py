@@ -4,7 +4,7 @@ the stage-4 probe's passes when the run got that far.
     python scripts/rft_reproduction.py RUN_DIR [RUN_DIR ...]
 
 RUN_DIR: a tiny-preset run directory (config.json, checkpoint.pt, stage2_trajectories_r0.jsonl). The actor is
-the checkpoint's: for a run stopped at the stage-4 header, or a frozen-actor control (--lr-actor 0), that is
+the checkpoint's: for a run stopped at the stage-4 header, or a frozen-actor control (--ppo.lr-actor 0), that is
 the RFT actor.
 """
 import contextlib
@@ -34,7 +34,7 @@ def main():
             model, head, tok = train.build_models(cfg, torch.device("cpu"))
         runlog.load_checkpoint(d, model, head)
         trajs = tasks_mod.load_trajectories(os.path.join(d, "stage2_trajectories_r0.jsonl"))
-        kept = [(*x, t.task) for t, x in ((t, train.rft_sample(t, cfg)) for t in trajs) if x is not None]
+        kept = [(*x, t.task) for t, x in ((t, train.rft_sample(t, cfg.rft)) for t in trajs) if x is not None]
         run = types.SimpleNamespace(cfg=cfg, model=model, pad_id=tok.pad_token_id or 0, device=torch.device("cpu"))
         repro = train.reproduction(run, kept)
         probe_file = os.path.join(d, "stage4_tasks.json")

@@ -9,8 +9,8 @@
 # Per seed: the default command runs stages 1-3 into ROOT/sS/base and is stopped as it prints the stage-4
 # header (its checkpoint.pt is then the stage-3 end, stage 4 step 0: written before the header, and the next
 # one comes only after the first stage-4 step). Copies of that directory resume stage 4: "trained" as the
-# default; "control" with --lr-actor 0 (a frozen actor: its AdamW steps are zero; the critic trains as usual);
-# "permuted" with --permute-rewards (the actor and critic train on each step's rewards dealt out to other
+# default; "control" with --ppo.lr-actor 0 (a frozen actor: its AdamW steps are zero; the critic trains as
+# usual); "permuted" with --agent.permute-rewards (the actor and critic train on each step's rewards dealt out to other
 # trajectories of the step: the same rewards and update sizes, no tie between an episode and its reward). All
 # restore the checkpoint's RNG state, so they run the same probe and draw the same per-step sampling seeds and
 # task order. One training at a time, niced.
@@ -35,8 +35,8 @@ print('seed $s base checkpoint stage', ck['stage'], 'step', ck['step'])" >> "$RO
     rm -rf "${D:?}/$arm"; cp -a "$B" "$D/$arm"
     case $arm in
       trained) extra="" ;;
-      control) extra="--lr-actor 0" ;;
-      permuted) extra="--permute-rewards" ;;
+      control) extra="--ppo.lr-actor 0" ;;
+      permuted) extra="--agent.permute-rewards" ;;
       *) echo "unknown arm $arm (trained, control, permuted)" >&2; exit 2 ;;
     esac
     echo "seed $s $arm start $(date +%T) $(uptime)" >> "$ROOT/times"

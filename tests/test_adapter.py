@@ -33,11 +33,11 @@ FIX = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "kern
 
 def tiny_cfg(out: str) -> train_config.TrainConfig:
     base = train_config.PRESETS["tiny"]
-    return dataclasses.replace(
-        base, out=out, warmup_steps=2, rft_steps=0, value_pretrain_steps=0, agent_steps=0, batch_size=2,
-        micro_batch_size=2, ppo_epochs=1, num_minibatches=1, demo_fraction=0.0, max_new_tokens=8,
-        lr_actor=5e-2, env=dataclasses.replace(base.env, max_turns=2),
-        sandbox=dataclasses.replace(base.sandbox, profile=False))
+    return train_config.updated(base, {
+        "out": out, "warmup.steps": 2, "rft.steps": 0, "value.steps": 0, "agent.steps": 0, "warmup.batch_size": 2,
+        "value.batch_size": 2, "agent.batch_size": 2, "ppo.micro_batch_size": 2, "ppo.epochs": 1,
+        "ppo.num_minibatches": 1, "demos.fraction": 0.0, "sampler.max_new_tokens": 8, "ppo.lr_actor": 5e-2,
+        "env.max_turns": 2, "sandbox.profile": False})
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""--offload-activations (ppo.offload_activations): the same losses, gradients and updates as without it, with and
+"""--ppo.offload-activations (ppo.offload_activations): the same losses, gradients and updates as without it, with and
 without gradient checkpointing, on a tiny fp32 Qwen3-MoE; and scripts/bench_ppo.py on the CPU, every length and
 mode in one run, a length that runs out of memory recorded as such while the others go on.
 
@@ -103,21 +103,22 @@ def test_checkpointed_layers_move_only_their_inputs(monkeypatch):
 @pytest.mark.parametrize("grad_ckpt", [False, True])
 def test_ppo_and_sft_updates_equal_with_offload(grad_ckpt, monkeypatch):
     """ppo_update (actor + critic, 2 minibatches, micro-batches of 2) and sft_update give the same weights and the
-    same statistics with --offload-activations as without; the update reports what it moved."""
+    same statistics with --ppo.offload-activations as without; the update reports what it moved."""
     monkeypatch.setattr(ppo, "OFFLOAD_MIN_BYTES", 0)
     b_ids, b_attn, b_mask, b_rewards = _batch()
     after, stats = {}, {}
     for on in (False, True):
-        cfg = dataclasses.replace(train_config.TrainConfig(), ppo_epochs=2, num_minibatches=2, micro_batch_size=2,
+        cfg = dataclasses.replace(train_config.TrainConfig().ppo, epochs=2, num_minibatches=2, micro_batch_size=2,
                                   kl_coef=0.0, entropy_coef=0.01, lr_actor=1e-2, offload_activations=on)
+        temperature = train_config.TrainConfig().sampler.temperature
         model, head = _actor_critic(grad_ckpt)
-        b_values, b_logp, _ = ppo.score(model, head, b_ids, b_attn, 2, cfg.temperature, b_mask=b_mask)
+        b_values, b_logp, _ = ppo.score(model, head, b_ids, b_attn, 2, temperature, b_mask=b_mask)
         b_adv, b_returns = ppo.compute_gae(b_rewards, b_values, b_mask)
         torch.manual_seed(7)  # the minibatch order
         opt = ppo.make_optimizers(model, head, cfg)
-        stats[on] = ppo.ppo_update(model, head, opt, cfg, b_ids, b_attn, b_mask, b_logp, b_values,
+        stats[on] = ppo.ppo_update(model, head, opt, cfg, temperature, b_ids, b_attn, b_mask, b_logp, b_values,
                                    ppo.whiten_advantages(b_adv, b_mask), b_returns)
-        stats[on] |= ppo.sft_update(model, opt["actor"], cfg, b_ids, b_attn, b_mask)
+        stats[on] |= ppo.sft_update(model, opt["actor"], cfg, temperature, b_ids, b_attn, b_mask)
         trained = ppo.adapter_params(model, "actor") + ppo.adapter_params(model, "critic") + list(head.parameters())
         after[on] = [p.detach().clone() for p in trained]
     assert all(torch.equal(a, b) for a, b in zip(after[False], after[True]))
@@ -126,8 +127,8 @@ def test_ppo_and_sft_updates_equal_with_offload(grad_ckpt, monkeypatch):
 
 
 def test_offload_is_off_by_default():
-    assert train_config.TrainConfig().offload_activations is False
-    assert train_config.PRESETS["paper"].offload_activations is False
+    assert train_config.TrainConfig().ppo.offload_activations is False
+    assert train_config.PRESETS["paper"].ppo.offload_activations is False
 
 
 def _load_bench():
@@ -146,10 +147,10 @@ def test_bench_runs_every_length_and_mode_on_cpu_and_records_an_oom(tmp_path, mo
     bench = _load_bench()
     real = ppo.ppo_update
 
-    def ppo_update(model, head, opt, cfg, b_ids, *a, **kw):
+    def ppo_update(model, head, opt, cfg, temperature, b_ids, *a, **kw):
         if b_ids.shape[1] == 96 and not cfg.offload_activations:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
-        return real(model, head, opt, cfg, b_ids, *a, **kw)
+        return real(model, head, opt, cfg, temperature, b_ids, *a, **kw)
 
     monkeypatch.setattr(ppo, "ppo_update", ppo_update)
     out = tmp_path / "bench_ppo.json"

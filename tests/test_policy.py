@@ -197,7 +197,7 @@ def test_hf_policy_samples_within_the_token_budget(tiny, engine):
 
 @pytest.mark.slow
 def test_hf_policy_engine_takes_the_experts_implementation(tiny):
-    """--rollout-experts reaches the engine: HFPolicy(engine=True, experts="fused") decodes through moe_kernel's
+    """--sampler.experts reaches the engine: HFPolicy(engine=True, experts="fused") decodes through moe_kernel's
     kernels (the Triton interpreter on CPU) and greedy turns equal the plain path's."""
     pytest.importorskip("triton")
     import moe_kernel

@@ -2,6 +2,8 @@
 
 Run: python -m pytest -q tests/test_ppo.py -x
 """
+import dataclasses
+import json
 import math
 import time
 
@@ -9,6 +11,7 @@ import pytest
 import torch
 
 import ppo
+from tasks import Trajectory
 
 
 # ---------------------------------------------------------------- GAE
@@ -368,7 +371,17 @@ def test_drop_turns_zeroes_the_kth_policy_run():
 # ---------------------------------------------------------------- RFT filter
 
 def _call(tool, args, valid=True):
-    return {"tool": tool, "args": args, "valid": valid}
+    """One tool call as env.Episode records it (an invalid one carries the env's error)."""
+    return {"name": tool, "args_text": json.dumps(args), "error": None if valid else "unknown tool"}
+
+
+def _traj(name, reward, calls, stop="finish", malformed=()):
+    """A trajectory of one turn per call (the malformed calls in a last turn of their own)."""
+    turns = [{"finish_reason": "stop", "calls": [c], "errors": []} for c in calls]
+    if malformed:
+        turns.append({"finish_reason": "stop", "calls": [], "errors": list(malformed)})
+    return Trajectory(task=name, task_source="", messages=[], tools=None, turns=turns, final_reward=reward,
+                      stop_reason=stop)
 
 
 def test_rft_filter_exact_keep_set():
@@ -376,22 +389,26 @@ def test_rft_filter_exact_keep_set():
     C = _call("bash", {"cmd": "python compile.py"})
     V = _call("bash", {"cmd": "python verify.py"})
     trajs = [
-        {"id": "good", "reward": 3.0, "tool_calls": [W("a"), C, V, W("b"), C, V]},  # same compile after edits: fine
-        {"id": "neg", "reward": -1.0, "tool_calls": [W("a"), C]},                          # reward <= 0
-        {"id": "zero", "reward": 0.0, "tool_calls": [W("a")]},                             # reward <= 0
-        {"id": "invalid", "reward": 2.0, "tool_calls": [W("a"), _call("???", None, valid=False), C]},
-        {"id": "redundant", "reward": 1.0, "tool_calls": [W("a"), C, C, V]},               # same call twice in a row
-        {"id": "loop", "reward": 1.0, "tool_calls": [W("a"), C, W("a"), C, W("a"), C, V]},  # block of 2, x3
-        {"id": "two_repeats_ok", "reward": 1.0, "tool_calls": [W("a"), C, W("a"), C, V]},  # block of 2, only x2
-        {"id": "no_calls", "reward": 1.0, "tool_calls": []},
-        {"id": "truncated", "reward": 2.0, "tool_calls": [W("z"), V], "truncated": True},
+        _traj("good", 3.0, [W("a"), C, V, W("b"), C, V]),              # the same compile after edits: fine
+        _traj("neg", -1.0, [W("a"), C]),                              # reward <= 0
+        _traj("zero", 0.0, [W("a")]),                                 # reward <= 0
+        _traj("invalid", 2.0, [W("a"), _call("???", None, valid=False), C]),
+        _traj("redundant", 1.0, [W("a"), C, C, V]),                   # the same call twice in a row
+        _traj("loop", 1.0, [W("a"), C, W("a"), C, W("a"), C, V]),     # a block of 2, x3
+        _traj("two_repeats_ok", 1.0, [W("a"), C, W("a"), C, V]),      # a block of 2, only x2
+        _traj("no_calls", 1.0, []),
+        _traj("truncated", 2.0, [W("z"), V], stop="max_turns"),
+        _traj("malformed", 2.0, [W("a"), V], malformed=["<tool_call>{oops"]),  # one call the env could not parse
     ]
-    kept = [t["id"] for t in ppo.rft_filter(trajs)]
+    kept = [t.task for t in ppo.rft_filter(trajs)]
     assert kept == ["good", "two_repeats_ok", "no_calls", "truncated"]
-    kept = [t["id"] for t in ppo.rft_filter(trajs, drop_truncated=True, loop_repeats=2, max_identical_calls=1)]
+    kept = [t.task for t in ppo.rft_filter(trajs, drop_truncated=True, loop_repeats=2, max_identical_calls=1)]
     assert kept == ["no_calls"]
-    kept = [t["id"] for t in ppo.rft_filter(trajs, max_invalid_calls=1, max_consecutive_identical=2, min_reward=1.5)]
-    assert kept == ["good", "invalid", "truncated"]
+    kept = [t.task for t in ppo.rft_filter(trajs, max_invalid_calls=1, max_consecutive_identical=2, min_reward=1.5)]
+    assert kept == ["good", "invalid", "truncated", "malformed"]
+    cut = dataclasses.replace(trajs[0], turns=[{**trajs[0].turns[0], "finish_reason": "length"}] + trajs[0].turns[1:])
+    assert ppo.truncated(cut) and not ppo.truncated(trajs[0]) and ppo.truncated(trajs[8])
+    assert ppo.rft_filter([cut], drop_truncated=True) == []
 
 
 def _grad_reduce_worker(rank: int, port: int, out: str, backend: str):
@@ -447,10 +464,8 @@ def _tiny_actor_critic():
 def test_updates_skip_a_micro_batch_with_no_policy_token():
     """A trajectory whose turns sampled no token (collate keeps it, all-zero mask) alone in a micro-batch (size 1,
     the paper preset's) has nothing to differentiate: ppo_update and sft_update train on the other rows."""
-    import dataclasses
-
     import train_config
-    cfg = dataclasses.replace(train_config.TrainConfig(), ppo_epochs=1, num_minibatches=1, micro_batch_size=1,
+    cfg = dataclasses.replace(train_config.TrainConfig().ppo, epochs=1, num_minibatches=1, micro_batch_size=1,
                               kl_coef=0.0, entropy_coef=0.0)
     b_ids, b_attn, b_mask, b_rewards = ppo.collate([[3, 4, 5, 6, 7], [3, 4, 5]], [[0, 0, 1, 1, 1], [0, 0, 0]],
                                                    [1.0, -1.0], 0, "cpu")
@@ -459,12 +474,13 @@ def test_updates_skip_a_micro_batch_with_no_policy_token():
     before = [p.detach().clone() for p in ppo.adapter_params(model, "actor")]
     b_values, b_logp, _ = ppo.score(model, head, b_ids, b_attn, 1, 1.0, b_mask=b_mask)
     b_adv, b_returns = ppo.compute_gae(b_rewards, b_values, b_mask)
-    st = ppo.ppo_update(model, head, ppo.make_optimizers(model, head, cfg), cfg, b_ids, b_attn, b_mask, b_logp,
+    st = ppo.ppo_update(model, head, ppo.make_optimizers(model, head, cfg), cfg, 1.0, b_ids, b_attn, b_mask, b_logp,
                         b_values, b_adv, b_returns)
     assert math.isfinite(st["pg_loss"]) and math.isfinite(st["v_loss"]) and st["grad_norm_actor"] > 0
     assert any(not torch.equal(a, p) for a, p in zip(before, ppo.adapter_params(model, "actor")))
-    st = ppo.sft_update(model, ppo.make_optimizers(model, head, cfg)["actor"], cfg, b_ids, b_attn, b_mask)
+    st = ppo.sft_update(model, ppo.make_optimizers(model, head, cfg)["actor"], cfg, 1.0, b_ids, b_attn, b_mask)
     assert st["sft_nll"] > 0 and st["grad_norm_actor"] > 0
     # a batch of such trajectories only: no gradient at all, and no error
-    st = ppo.sft_update(model, ppo.make_optimizers(model, head, cfg)["actor"], cfg, b_ids[1:], b_attn[1:], b_mask[1:])
+    st = ppo.sft_update(model, ppo.make_optimizers(model, head, cfg)["actor"], cfg, 1.0, b_ids[1:], b_attn[1:],
+                        b_mask[1:])
     assert st["sft_nll"] == 0.0 and st["grad_norm_actor"] == 0.0

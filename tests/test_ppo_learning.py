@@ -12,7 +12,6 @@ trajectories.
 
 Run: python -m pytest -q tests/test_ppo_learning.py -x
 """
-import dataclasses
 
 import pytest
 import torch
@@ -52,19 +51,22 @@ def tiny_actor_critic(seed=0):
     return model, head
 
 
+TEMPERATURE = 1.0
+
+
 def toy_cfg(**kw):
-    base = dict(temperature=1.0, gamma=1.0, lam=0.95, eps_low=0.2, eps_high=0.28, kl_coef=0.0, entropy_coef=0.0,
-                vf_clip=None, whiten_advantages=True, max_grad_norm=1.0, ppo_epochs=2, num_minibatches=2,
+    base = dict(gamma=1.0, lam=0.95, eps_low=0.2, eps_high=0.28, kl_coef=0.0, entropy_coef=0.0,
+                vf_clip=None, whiten_advantages=True, max_grad_norm=1.0, epochs=2, num_minibatches=2,
                 micro_batch_size=16, lr_actor=1e-2, lr_critic=1e-2, lr_head=3e-2)
     base.update(kw)
-    return dataclasses.replace(train_config.TrainConfig(), **base)
+    return ppo.PPOConfig(**base)
 
 
 def score(model, head, samples, cfg, device="cpu", need_logp=True):
     """Phases 2-4 of train.ppo_iteration on toy samples: named (B, T) tensors and the critic's stats."""
     b_ids, b_attn, b_mask, b_rewards = ppo.collate([s["input_ids"] for s in samples], [s["mask"] for s in samples],
                                                    [s["reward"] for s in samples], 0, device)
-    b_values, b_logp, b_ref = ppo.score(model, head, b_ids, b_attn, cfg.micro_batch_size, cfg.temperature,
+    b_values, b_logp, b_ref = ppo.score(model, head, b_ids, b_attn, cfg.micro_batch_size, TEMPERATURE,
                                         need_logp=need_logp, need_ref=need_logp and cfg.kl_coef > 0)
     b_adv, b_returns = ppo.compute_gae(b_rewards, b_values, b_mask, cfg.gamma, cfg.lam)
     stats = ppo.score_stats(b_values, b_returns, b_adv, b_mask)
@@ -75,7 +77,7 @@ def score(model, head, samples, cfg, device="cpu", need_logp=True):
 
 def update(model, head, opt, batch, cfg, n_global, **kw):
     """Phase 5 of train.ppo_iteration."""
-    return ppo.ppo_update(model, head, opt, cfg, *batch, n_global=n_global, **kw)
+    return ppo.ppo_update(model, head, opt, cfg, TEMPERATURE, *batch, n_global=n_global, **kw)
 
 
 @torch.no_grad()
@@ -149,7 +151,7 @@ def test_value_pretraining_raises_explained_variance():
     """Critic-only steps on fixed trajectories whose return is predictable from the prompt (reward +1 if
     TARGET appears in the prompt, else -1); explained variance measured on held-out trajectories."""
     model, head = tiny_actor_critic(1)
-    cfg = toy_cfg(ppo_epochs=1, num_minibatches=1)
+    cfg = toy_cfg(epochs=1, num_minibatches=1)
     opt = ppo.make_optimizers(model, head, cfg)
     gen = torch.Generator().manual_seed(1)
 
@@ -182,7 +184,7 @@ def test_one_base_two_adapters_and_reference():
     assert len(base_ids) == len([n for n, _ in model.named_parameters() if "lora_" not in n])  # one copy
     actor, critic = ppo.adapter_params(model, "actor"), ppo.adapter_params(model, "critic")
     assert not {id(p) for p in actor} & {id(p) for p in critic}
-    cfg = toy_cfg(kl_coef=0.1, ppo_epochs=1, num_minibatches=1)
+    cfg = toy_cfg(kl_coef=0.1, epochs=1, num_minibatches=1)
     opt = ppo.make_optimizers(model, head, cfg)
     gen = torch.Generator().manual_seed(2)
     ids = rollout(model, 8, gen)
@@ -219,7 +221,7 @@ def test_kl_reference_is_the_actor_at_the_snapshot():
     samples = [{"input_ids": ids[i].tolist(), "mask": [0] * PROMPT + [1] * RESP, "reward": float(i % 2)}
                for i in range(8)]
     ppo.snapshot_reference(model)
-    cfg = toy_cfg(kl_coef=0.1, ppo_epochs=1, num_minibatches=1)
+    cfg = toy_cfg(kl_coef=0.1, epochs=1, num_minibatches=1)
     opt = ppo.make_optimizers(model, head, cfg)
     b, _ = score(model, head, samples, cfg)
     b_ref, b_logp = b[7], b[3]
@@ -260,7 +262,7 @@ def _one_update(rows, n_global):
     ids = torch.randint(1, VOCAB, (5, PROMPT + RESP), generator=gen)
     samples = [{"input_ids": ids[i].tolist(), "mask": [0] * PROMPT + [1] * RESP, "reward": float(i) - 2.0}
                for i in rows]
-    cfg = toy_cfg(ppo_epochs=1, num_minibatches=1)
+    cfg = toy_cfg(epochs=1, num_minibatches=1)
     opt = ppo.make_optimizers(model, head, cfg)
     b, _ = score(model, head, samples, cfg)
     update(model, head, opt, b, cfg, n_global=n_global)

@@ -16,20 +16,17 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # the smallest config that still runs every stage for real (demos give RFT something with reward > 0)
-SMALL = dict(warmup_steps=2, batch_size=2, agent_batch_size=None, micro_batch_size=2, demo_fraction=0.5,
-             max_new_tokens=12, env=dict(max_turns=3), rft_rollouts=2, rft_steps=2, rft_batch_size=2, value_pretrain_steps=3,
-             agent_steps=1, mixed_probe=1,
-             ppo_epochs=1, num_minibatches=1)
+SMALL = {"warmup.steps": 2, "warmup.batch_size": 2, "value.batch_size": 2, "agent.batch_size": 2,
+         "ppo.micro_batch_size": 2, "demos.fraction": 0.5, "sampler.max_new_tokens": 12, "env.max_turns": 3,
+         "rft.rollouts": 2, "rft.steps": 2, "rft.batch_size": 2, "value.steps": 3, "agent.steps": 1,
+         "agent.mixed_probe": 1, "ppo.epochs": 1, "ppo.num_minibatches": 1}
 
 SCRIPT = """
-import dataclasses, json, sys
+import json, sys
 sys.path.insert(0, {root!r})
 import train
 import train_config
-kw = json.loads(sys.argv[1])
-base = train_config.PRESETS["tiny"]
-env = dataclasses.replace(base.env, **kw.pop("env", dict()))
-cfg = dataclasses.replace(base, env=env, **kw)
+cfg = train_config.updated(train_config.PRESETS["tiny"], json.loads(sys.argv[1]))
 sys.exit(train.train(cfg))
 """
 
@@ -101,7 +98,9 @@ def test_two_process_data_parallel_run(tmp_path):
     (it raises otherwise). This caught both ranks believing they were rank 0 and racing on checkpoint.pt."""
     # one demonstration per global batch (25% of 4): it lands on rank 0 only, so the RFT filter keeps
     # trajectories on one rank and none on the other, and SFT must still run on both in step
-    kw = dict(SMALL, out=str(tmp_path / "ddp"), batch_size=4, rft_rollouts=4, demo_fraction=0.25)
+    kw = dict(SMALL, out=str(tmp_path / "ddp"))
+    kw |= {"warmup.batch_size": 4, "value.batch_size": 4, "agent.batch_size": 4, "rft.rollouts": 4,
+           "demos.fraction": 0.25}
     script = tmp_path / "run.py"
     script.write_text(SCRIPT.format(root=ROOT))
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
@@ -222,22 +221,22 @@ def test_rft_sample_drops_no_call_turns_and_truncated_trajectories():
     import train
 
     import train_config
-    cfg = train_config.TrainConfig()
+    cfg = train_config.TrainConfig().rft
     t = _traj([(3, ["write_file"]), (2, []), (0, []), (4, ["verify", "finish"])])   # a chat turn and a 0-token one
     ids, mask = train.rft_sample(t, cfg)
     assert ids == t.ids and sum(mask) == 3 + 4 and mask[5:7] == [0, 0]   # the chat turn left the SFT mask
-    assert sum(train.rft_sample(t, dataclasses.replace(cfg, rft_drop_no_call_turns=False))[1]) == 3 + 2 + 4
+    assert sum(train.rft_sample(t, dataclasses.replace(cfg, drop_no_call_turns=False))[1]) == 3 + 2 + 4
     assert train.rft_sample(_traj([(3, [])]), cfg) is None                  # nothing left to imitate
     single = _traj([(3, [])], stop="single_turn")                            # single-turn answers have no calls
     assert sum(train.rft_sample(single, cfg)[1]) == 3
     cut = _traj([(3, ["verify"])], stop="max_turns")
     assert train.rft_sample(cut, cfg) is not None                            # default: the paper's filter
-    assert train.rft_sample(cut, dataclasses.replace(cfg, rft_drop_truncated=True)) is None
+    assert train.rft_sample(cut, dataclasses.replace(cfg, drop_truncated=True)) is None
     assert train.rft_sample(_traj([(3, ["verify"])], reward=-1.0), cfg) is None   # reward > 0 only
 
 
 def test_mixed_tasks_keeps_the_tasks_passed_sometimes(tmp_path):
-    """Stage 4 trains on the tasks the probe passed in some but not all episodes (--mixed-probe), in task
+    """Stage 4 trains on the tasks the probe passed in some but not all episodes (--agent.mixed-probe), in task
     order; none such: all tasks. The end-of-run table then names them and each task's first -> second half."""
     import runlog
     import train
@@ -265,16 +264,16 @@ def test_mixed_tasks_keeps_the_tasks_passed_sometimes(tmp_path):
 
 @pytest.mark.slow
 def test_reproduction_is_the_probability_of_sampling_the_kept_action_tokens(tmp_path):
-    """train.reproduction (what --rft-target stops stage 2 on) against a plain forward: per task, the largest
+    """train.reproduction (what --rft.target stops stage 2 on) against a plain forward: per task, the largest
     over its kept trajectories of exp(sum over the mask of log softmax(logits / T)[next token])."""
-    import dataclasses
     import types
 
     import torch
     sys.path.insert(0, ROOT)
     import train
     import train_config
-    cfg = dataclasses.replace(train_config.PRESETS["tiny"], out=str(tmp_path), micro_batch_size=2, temperature=0.7)
+    cfg = train_config.updated(train_config.PRESETS["tiny"], {"out": str(tmp_path), "ppo.micro_batch_size": 2,
+                                                              "sampler.temperature": 0.7})
     model, head, tok = train.build_models(cfg, torch.device("cpu"))
     with torch.no_grad():  # an actor that is not the identity adapter
         for p in model.parameters():
@@ -294,7 +293,7 @@ def test_reproduction_is_the_probability_of_sampling_the_kept_action_tokens(tmp_
     model.eval()
     with torch.no_grad():
         for ids, mask, name in kept:
-            logits = model(input_ids=torch.tensor([ids])).logits[0].float() / cfg.temperature
+            logits = model(input_ids=torch.tensor([ids])).logits[0].float() / cfg.sampler.temperature
             lp = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
             s = float((lp * torch.tensor(mask[1:], dtype=torch.float32)).sum())
             want[name] = max(want.get(name, -float("inf")), s)

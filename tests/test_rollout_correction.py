@@ -1,5 +1,5 @@
 """The sampler-trainer gap (ppo.sampler_gap) and its optional correction, truncated importance sampling
-(ppo.tis_weights, --tis-cap), against hand-computed cases; and that ppo_update applies the weights.
+(ppo.tis_weights, --ppo.tis-cap), against hand-computed cases; and that ppo_update applies the weights.
 
 Run: python -m pytest -q tests/test_rollout_correction.py
 """
@@ -80,7 +80,7 @@ def _actor_critic():
 
 def test_ppo_update_applies_the_weights():
     """b_tis reaches the policy loss: weights of 1 give the unweighted update, weights of 0 no actor update."""
-    cfg = dataclasses.replace(train_config.TrainConfig(), ppo_epochs=1, num_minibatches=1, micro_batch_size=2,
+    cfg = dataclasses.replace(train_config.TrainConfig().ppo, epochs=1, num_minibatches=1, micro_batch_size=2,
                               kl_coef=0.0, entropy_coef=0.0, lr_actor=1e-2)
     g = torch.Generator().manual_seed(1)
     b_ids = torch.randint(1, 50, (2, 9), generator=g)
@@ -92,7 +92,7 @@ def test_ppo_update_applies_the_weights():
         model, head = _actor_critic()
         before = [p.detach().clone() for p in ppo.adapter_params(model, "actor")]
         b_values, b_logp, _ = ppo.score(model, head, b_ids, b_attn, 2, 1.0, b_mask=b_mask)
-        ppo.ppo_update(model, head, ppo.make_optimizers(model, head, cfg), cfg, b_ids, b_attn, b_mask, b_logp,
+        ppo.ppo_update(model, head, ppo.make_optimizers(model, head, cfg), cfg, 1.0, b_ids, b_attn, b_mask, b_logp,
                        b_values, b_adv, b_values + b_adv, train_critic=False, b_tis=tis)
         after[name] = [p.detach().clone() for p in ppo.adapter_params(model, "actor")]
         if name == "zeros":

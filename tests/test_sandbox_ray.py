@@ -188,8 +188,9 @@ def test_small_synth_gives_the_local_file(cfg, tmp_path):
 @pytest.mark.slow
 def test_a_stage4_step_of_the_tiny_preset_through_the_cli(cfg, tmp_path):
     out = tmp_path / "run"
-    args = ["--out", str(out), "--warmup-steps", "0", "--rft-steps", "0", "--value-pretrain-steps", "0",
-            "--agent-steps", "1", "--agent-batch-size", "2", "--mixed-probe", "0", "--max-new-tokens", "16",
+    args = ["--out", str(out), "--warmup.steps", "0", "--rft.steps", "0", "--value.steps", "0",
+            "--agent.steps", "1", "--agent.batch-size", "2", "--agent.mixed-probe", "0",
+            "--sampler.max-new-tokens", "16",
             "--env.max-turns", "2", "--sandbox.device", "cpu", "--sandbox.no-profile",
             "--sandbox.cache-dir", cfg.cache_dir, "--sandbox.ray-address", cfg.ray_address]
     r = subprocess.run([sys.executable, os.path.join(ROOT, "cuda_agent.py"), "train", *args], cwd=ROOT,

@@ -1,5 +1,5 @@
-"""The reward-permuted control of stage 4 (--permute-rewards, train.permuted_rewards) and the per-seed statistics of
-scripts/stage4_control_report.py.
+"""The reward-permuted control of stage 4 (--agent.permute-rewards, train.permuted_rewards) and the per-seed
+statistics of scripts/stage4_control_report.py.
 
 Run: python -m pytest -q tests/test_stage4_control.py
 """
@@ -39,8 +39,8 @@ def test_every_derangement_is_drawn():
 
 
 def test_permute_rewards_is_off_by_default():
-    assert train_config.TrainConfig().permute_rewards is False
-    assert train_config.PRESETS["paper"].permute_rewards is False
+    assert train_config.TrainConfig().agent.permute_rewards is False
+    assert train_config.PRESETS["paper"].agent.permute_rewards is False
 
 
 class _Collated(Exception):
@@ -49,7 +49,7 @@ class _Collated(Exception):
 
 @pytest.mark.parametrize("stage,flag,permuted", [(4, False, False), (4, True, True), (1, True, False)])
 def test_ppo_iteration_trains_on_permuted_rewards_in_stage_4_only(stage, flag, permuted, monkeypatch):
-    """What ppo_iteration hands to collate (and so to GAE): the episodes' own rewards, or with --permute-rewards
+    """What ppo_iteration hands to collate (and so to GAE): the episodes' own rewards, or with --agent.permute-rewards
     in stage 4 the step's derangement of them."""
     rewards = [-1.0, 1.0, 3.0, 2.0]
     seen = {}
@@ -60,7 +60,7 @@ def test_ppo_iteration_trains_on_permuted_rewards_in_stage_4_only(stage, flag, p
 
     monkeypatch.setattr(train.reward, "reward_from_verdict", lambda v, kind: v["r"])
     monkeypatch.setattr(train.ppo, "collate", collate)
-    cfg = train_config.TrainConfig(permute_rewards=flag, seed=5)
+    cfg = train_config.updated(train_config.TrainConfig(), {"agent.permute_rewards": flag, "seed": 5})
     run = types.SimpleNamespace(cfg=cfg, pad_id=0, device="cpu")
     trajs = [types.SimpleNamespace(final_verdict={"r": r}, ids=[1, 2], mask=[0, 1]) for r in rewards]
     with pytest.raises(_Collated):

@@ -3,7 +3,7 @@ pass the sandbox in stage 4, through the real CLI, the real env and the CPU sand
 
 A shortened `python cuda_agent.py train` (no warm-up, stage 2 collects 4 demonstrations only, one value step, two
 agentic steps); the test reads stage 4's pass rate from metrics.jsonl. It fails when RFT is off
-(`--rft-steps 0`): the random actor then never writes a working kernel and stage 4 sits at pass rate 0.
+(`--rft.steps 0`): the random actor then never writes a working kernel and stage 4 sits at pass rate 0.
 
 Run: python -m pytest -q tests/test_tiny_learns.py   (a few minutes on the 2-core box; marked slow)
 """
@@ -17,10 +17,10 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # the tiny preset, shortened where it does not change what is learned; stage 4 on all tasks without the probe
-# (--mixed-probe, covered in test_ppo_train.py). RFT as in the preset: SFT until the actor samples every task's
-# demonstration with probability >= 0.2 (--rft-target), so 16 stage-4 episodes all failing is unlikely
-SHORT = ["--warmup-steps", "0", "--rft-rollouts", "4", "--demo-fraction", "1.0",
-         "--value-pretrain-steps", "1", "--agent-steps", "2", "--mixed-probe", "0", "--sandbox.device", "cpu"]
+# (--agent.mixed-probe, covered in test_ppo_train.py). RFT as in the preset: SFT until the actor samples every
+# task's demonstration with probability >= 0.2 (--rft.target), so 16 stage-4 episodes all failing is unlikely
+SHORT = ["--warmup.steps", "0", "--rft.rollouts", "4", "--demos.fraction", "1.0",
+         "--value.steps", "1", "--agent.steps", "2", "--agent.mixed-probe", "0", "--sandbox.device", "cpu"]
 
 
 def stage_rows(out, stage):

@@ -242,11 +242,11 @@ def test_tiny_preset_fits_its_demonstrations_and_paper_keeps_the_recipe(tmp_path
     import train
     import train_config
     tiny, paper = train_config.PRESETS["tiny"], train_config.PRESETS["paper"]
-    assert (paper.lam, paper.temperature, paper.lr_rft, paper.kl_coef, paper.ppo_epochs, paper.num_minibatches) == \
-        (0.95, 1.0, None, 0.0, 1, 1)
-    assert tiny.lr_rft > tiny.lr_actor                          # SFT learns the demos, PPO does not undo them
+    assert (paper.ppo.lam, paper.sampler.temperature, paper.rft.lr, paper.ppo.kl_coef, paper.ppo.epochs,
+            paper.ppo.num_minibatches) == (0.95, 1.0, None, 0.0, 1, 1)
+    assert tiny.rft.lr > tiny.ppo.lr_actor                          # SFT learns the demos, PPO does not undo them
     ts = tasks.load_tasks(tiny.tasks)
-    demos = tasks.load_demos(tiny.demos, ts, "cpu")
+    demos = tasks.load_demos(tiny.demos.dir, ts, "cpu")
     assert len(demos) == len(ts) == 4
     tok = policy.build_tiny_tokenizer()
     ecfg = env.EnvConfig(work_dir=str(tmp_path))
@@ -254,4 +254,4 @@ def test_tiny_preset_fits_its_demonstrations_and_paper_keeps_the_recipe(tmp_path
         ep = env.Episode(0, t, ecfg, None, sandbox.SandboxConfig())
         turn = {"role": "assistant", **train.demo_script(files, single_turn=False)[0]}
         _, mask = env.tokenize_conversation(ep.messages + [turn], ep.tools, tok)
-        assert 0 < sum(mask) < tiny.max_new_tokens, (t.name, sum(mask))
+        assert 0 < sum(mask) < tiny.sampler.max_new_tokens, (t.name, sum(mask))
