@@ -515,7 +515,7 @@ def _best_of_trajectory(p: Task, t, pool, cfg: EvalConfig, scfg) -> dict:
     if v is None:
         return error_verdict("the episode produced no verified solution", stage="load")
     ws = tools.restore_best(os.path.join(cfg.out, "best", f"level_{p.level}_problem_{p.problem_id}"), p.code,
-                            cfg.sandbox.device, t.best_files)
+                            cfg.sandbox.device, t.best_files, layout=cfg.env.workspace)
     if cfg.sandbox.profile and passed(v) and v.get("candidate_ms") is None:
         v = pool.submit(p.code, ws, scfg).result().to_dict()
     return v
