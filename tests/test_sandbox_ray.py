@@ -147,6 +147,7 @@ def _kill(slot) -> int:
     return pid
 
 
+@pytest.mark.slow
 def test_a_killed_lane_is_replaced_and_its_check_retried(cfg):
     pool = open_pool(dataclasses.replace(cfg, profile=False))
     slow = sol("time.sleep(0.5)\nreturn torch.from_numpy(np.maximum(x.numpy(), 0))")  # seconds long: killed inside
@@ -170,6 +171,7 @@ def test_a_killed_lane_is_replaced_and_its_check_retried(cfg):
         pool.close()
 
 
+@pytest.mark.slow
 def test_small_synth_gives_the_local_file(cfg, tmp_path):
     def run(name, ray_address):  # workers: on each lane with Ray, in all without (it does not change the file)
         c = synth.SynthConfig(out=str(tmp_path / name / "t.jsonl"), n_candidates=4, seed=0, chunk=2,
