@@ -240,7 +240,7 @@ class EnvConfig:
     tool_workers: int = 16
     """threads running episodes' tool calls concurrently"""
     overlap_turns: bool = True
-    """with a policy that streams (HFPolicy on generate.Engine), each episode's next turn is sampled as soon as
+    """with a policy that streams (HFPolicy on engine.Engine), each episode's next turn is sampled as soon as
     its tools finish, beside the other episodes' turns; off: all active episodes act together, turn by turn"""
     final_check: bool = True
     """profile the final workspace at the end of each episode"""
