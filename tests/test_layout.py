@@ -11,6 +11,8 @@ Run: python -m pytest -q tests/test_layout.py
 import ast
 import glob
 import os
+import subprocess
+import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("sandbox", "engine")
@@ -111,3 +113,16 @@ def test_root_modules_reach_packages_through_their_front():
         inner = {e for e in _edges(m, p, mods) if e.partition(".")[0] in PACKAGES and "." in e}
         inner -= {"sandbox.ray"}  # `from sandbox import ray`: the package's own attribute
         assert not inner, (m, inner)
+
+
+def test_harness_imports_flat_in_a_child_and_as_a_package_on_the_host():
+    """The worker starts as a script beside the other harness files (a child's view: flat module names); the
+    host imports the same files once each, as modules of sandbox.harness."""
+    worker = os.path.join(REPO, "sandbox", "harness", "sandbox_worker.py")
+    r = subprocess.run([sys.executable, worker, "--probe"], capture_output=True, text=True, cwd="/", timeout=120)
+    assert r.returncode == 0 and "sandbox_worker ok" in r.stdout, r.stderr
+    code = ("import sys, sandbox, sandbox.harness.driver; "
+            "flat = {'sandbox_worker', 'inline', 'measure', 'wire', 'share', 'driver', 'rules'} & set(sys.modules); "
+            "print(sorted(flat) or 'none')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "none", (r.stdout, r.stderr)
