@@ -36,7 +36,6 @@ import env
 import policy
 import reward
 import sandbox
-import sandbox_ray
 import synth
 import tasks
 import tools
@@ -112,7 +111,7 @@ def check(cfg: CheckConfig) -> int:
     spares = cfg.sandbox.warm_spares if cfg.sandbox.warm_spares >= 0 else 0
     sb = dataclasses.replace(cfg.sandbox, device=env.resolve_device(cfg.sandbox.device), warm_spares=spares)
     try:
-        verdict = sandbox_ray.check(cfg.task, cfg.solution, sb).to_dict()  # --sandbox.ray-address: on a lane there
+        verdict = sandbox.ray.check(cfg.task, cfg.solution, sb).to_dict()  # --sandbox.ray-address: on a lane there
     except sandbox.TaskError as e:  # a bad task, or the reference itself failed on this device
         raise sandbox.TaskError(f"bad task {cfg.task}: {e}") from None
     verdict["reward"] = reward.reward_from_verdict(verdict, cfg.reward)
@@ -173,7 +172,7 @@ def solve(cfg: SolveConfig) -> int:
         raise sandbox.TaskError(f"bad task {cfg.task}: {e}") from None
     pol = policy.make_policy(cfg.policy, device=sb.device, seed=cfg.seed)
     ecfg = dataclasses.replace(cfg.env, work_dir=os.path.join(cfg.out, "workspaces"))
-    pool = sandbox_ray.make_pool(sb)  # this machine's, or with --sandbox.ray-address the Ray cluster's lanes
+    pool = sandbox.make_pool(sb)  # this machine's, or with --sandbox.ray-address the Ray cluster's lanes
     try:
         traj = env.run_episodes(pol, [task], pool, ecfg, log=None if cfg.quiet else print_event)[0]
     finally:

@@ -15,7 +15,7 @@ Departures from the paper / KernelBench
   6. Samples mode judges samples by KernelBench's own rules (`--sandbox.rules kernelbench`: no torch compute,
      outputs may be allocated with torch, e.g. `torch::zeros_like`), the rules they were written for; agent
      mode by the paper's (`cuda-agent`), the rules the policy was trained under. Records and summary.json say
-     which profile each verdict used (sandbox_rules.py states both).
+     which profile each verdict used (sandbox/harness/rules.py states both).
 
 Problems: --kernelbench-dir, else --hf-dataset, else $KERNELBENCH_DIR, else ./KernelBench (a clone of
 github.com/ScalingIntelligence/KernelBench); the hub only when named. Exit codes: 0 the run finished and
@@ -48,8 +48,6 @@ import env
 import policy
 import reward
 import sandbox
-import sandbox_ray
-import sandbox_rules
 import tasks
 import tools
 from tasks import SAMPLE_RE, Task, find_samples  # noqa: F401 - samples mode reads KernelBench's file naming
@@ -144,8 +142,8 @@ def prepare(cfg: EvalConfig) -> EvalConfig:
     if cfg.samples_dir is None and (why := policy.policy_problem(cfg.policy)):
         raise env.UsageError(f"{why}; or pass --samples-dir DIR to score pre-generated kernels")
     rules = cfg.sandbox.rules if cfg.sandbox.rules != "auto" else "kernelbench" if cfg.samples_dir else "cuda-agent"
-    if rules not in sandbox_rules.RULES:
-        raise env.UsageError(f"--sandbox.rules {cfg.sandbox.rules!r}: use auto, {', '.join(sandbox_rules.RULES)}")
+    if rules not in sandbox.RULES:
+        raise env.UsageError(f"--sandbox.rules {cfg.sandbox.rules!r}: use auto, {', '.join(sandbox.RULES)}")
     return dataclasses.replace(cfg, kernelbench_dir=source, hf_dataset=None, policy=policy.resolve_policy(cfg.policy),
                                sandbox=dataclasses.replace(cfg.sandbox, device=dev, rules=rules))
 
@@ -379,7 +377,8 @@ def text_table(rows: list[list[str]]) -> str:
 def write_report(path: str, summary: dict, records: list[dict], cfg: EvalConfig) -> None:
     mode = f"samples from `{cfg.samples_dir}`" if cfg.samples_dir else f"agent, policy `{cfg.policy}`"
     parts = [f"# KernelBench evaluation ({mode})", "",
-             f"Rules: `{cfg.sandbox.rules}` (--sandbox.rules; sandbox_rules.py states what each profile allows).", "",
+             f"Rules: `{cfg.sandbox.rules}` (--sandbox.rules; sandbox/harness/rules.py states what each profile "
+             "allows).", "",
              "Metrics as paper Table 1: rates over all problems; faster = correct and plainly faster "
              "(no 5% margin); geomeans over correct solutions; fast_p (KernelBench) = correct and speedup over "
              "eager > p. Overall is pooled over problems (weighted by problem count).", "",
@@ -451,7 +450,7 @@ def make_pool(cfg: EvalConfig, scfg):
     gpus = None
     if cfg.sandbox.device == "cuda" and not cfg.sandbox.ray_address:  # prepare() checked that torch lists them
         gpus = cfg.gpus or list(range(torch.cuda.device_count()))
-    return sandbox_ray.make_pool(scfg, gpus=gpus)
+    return sandbox.make_pool(scfg, gpus=gpus)
 
 
 def _result(fut) -> tuple[dict, str | None]:

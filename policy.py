@@ -5,7 +5,7 @@ tool-call parser; the tiny MoE + local tokenizer for tests; the real checkpoint 
     called once per turn on all active episodes, and optionally `release(episode_id)`.
   * HFPolicy (what training uses): prompts are env.tokenize_conversation(..., add_generation_prompt=True),
     so every prompt extends the previous one plus what was sampled: the record re-tokenises exactly, and a
-    KV cache can be carried across turns (`engine=`, generate.Engine). With the engine, `stream` overlaps
+    KV cache can be carried across turns (`engine=`, engine.Engine). With the engine, `stream` overlaps
     turns: an episode's next turn is sampled as soon as its tools finish, while the others decode (what
     env.run_episodes uses). Without an engine: one batched `model.generate` per turn. Either way a turn
     samples at most what the episode's token budget (EpisodeState.max_context_tokens) leaves after its
@@ -19,7 +19,7 @@ tool-call parser; the tiny MoE + local tokenizer for tests; the real checkpoint 
 
 Departures from the paper
   1. The paper's rollout engine is not published; we sample with the training-side model itself
-     (`model.generate`, or generate.Engine). PPO recomputes the old log-probs on the training side; the
+     (`model.generate`, or engine.Engine). PPO recomputes the old log-probs on the training side; the
      sampler's own (Action.logprobs, at temperature 1) measure the gap between the two (ppo.sampler_gap).
   2. The tiny tokenizer is trained on a small corpus of this project's own text, without word splitting, so
      its tokens are long domain phrases: the tiny model exists for tests and smoke runs.
@@ -45,8 +45,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen3MoeConfig,
                           Qwen3MoeForCausalLM)
 
-import generate
 import tools
+from engine import Engine
 from env import Action, EpisodeState, end_of_turn, resolve_device, tokenize_conversation
 
 # --------------------------------------------------------------------------------------------------
@@ -274,7 +274,7 @@ class HFPolicy:
     """Batched sampling from a local causal LM, one batched call per turn over all active episodes.
 
     Plain path: `model.generate` on the left-padded prompts (re-encodes each conversation every turn).
-    engine: a generate.Engine (or any object with its `step_full` / `release`): the prompts go to
+    engine: an engine.Engine (or any object with its `step_full` / `release`): the prompts go to
     `engine.step_full([(episode_id, prompt_ids)])`, which feeds only the tokens after what the episode
     already has in its KV cache and keeps the batch full. Prompts are built the same way on
     both paths (tokenize_conversation), so the records are identical in format.
@@ -289,7 +289,7 @@ class HFPolicy:
         self._turns: dict[int, int] = {}        # turns sampled per episode (numbers its tool-call ids)
         self.eot_id = tokenizer.convert_tokens_to_ids(end_of_turn(tokenizer))
         if engine is True:  # build the KV-cache-reusing engine for this model (make a new policy per update)
-            engine = generate.Engine(model, tokenizer, max_batch=max_batch, max_new_tokens=max_new_tokens,
+            engine = Engine(model, tokenizer, max_batch=max_batch, max_new_tokens=max_new_tokens,
                                      temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                      stop_ids={self.eot_id}, cuda_graphs=next(model.parameters()).is_cuda,
                                      kv_budget_gib=kv_budget_gib, experts=experts)
@@ -339,7 +339,7 @@ class HFPolicy:
                                       return_dict_in_generate=True, output_logits=True)
         gen = out.sequences[:, L:]                                                  # (B, T)
         logits = torch.stack(out.logits, dim=1).float()                             # (B, T, V) unprocessed
-        lp = torch.log_softmax(logits, dim=-1)          # at temperature 1, unfiltered: as generate.Engine's
+        lp = torch.log_softmax(logits, dim=-1)          # at temperature 1, unfiltered: as engine.Engine's
         lp = lp.gather(-1, gen.unsqueeze(-1)).squeeze(-1)                           # (B, T)
         res = []
         for b in range(len(prompts)):
@@ -370,7 +370,7 @@ class HFPolicy:
         """Turns overlap across episodes (engine path): each episode's action goes to `advance(episode_id, action)`
         as soon as its row finishes; advance returns a Future of the episode's next state (None once it ended),
         and while it runs (the tools) the other rows decode on; when it resolves, the episode's next turn joins
-        the batch (generate.Engine.step_full with follow). The actions and log-probs equal `act`'s turn by turn."""
+        the batch (engine.Engine.step_full with follow). The actions and log-probs equal `act`'s turn by turn."""
         by_id = {s.episode_id: s for s in states}
         prompts = {s.episode_id: self.prompt_ids(s) for s in states}
 
@@ -548,7 +548,7 @@ class SamplerConfig:
     kv_budget_gib: float | None = None
     """hf: GPU memory for the rollout engine's KV caches; beyond it idle episodes go to host memory (None: no limit)"""
     experts: str | None = None
-    """hf: MoE experts implementation for the rollout engine ("fused": moe_kernel.py's Triton decode kernels)"""
+    """hf: MoE experts implementation for the rollout engine ("fused": engine/moe_kernel.py's Triton decode kernels)"""
 
 
 @dataclass
@@ -608,7 +608,7 @@ def policy_problem(cfg: PolicyConfig) -> str | None:
 
 def make_policy(cfg: PolicyConfig, device: str = "cpu", seed: int = 0, engine: bool = True):
     """The policy `cfg` describes. device: where an hf model runs (cuda: bf16); engine: for "hf", sample
-    through generate.Engine (KV cache reused across turns) instead of the re-encoding `model.generate` loop.
+    through engine.Engine (KV cache reused across turns) instead of the re-encoding `model.generate` loop.
     --policy.adapter with a folder `train` wrote loads that run's base model under the adapter (resolve_policy)."""
     cfg = resolve_policy(cfg)
     if cfg.kind == "replay":

@@ -117,15 +117,6 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
     return var
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
-    """(x - mean) / std over masked positions; masked-out positions are returned as 0."""
-    mean, var = masked_mean(x, mask), masked_var(x, mask)
-    out = (x - mean) * torch.rsqrt(var + eps)
-    if not shift_mean:
-        out = out + mean
-    return out * mask.to(x.dtype)
-
-
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
     """1 - Var[returns - values] / Var[returns] over masked positions (paper Fig. 5's critic signal).
 
@@ -136,12 +127,6 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     if var_r.item() <= 1e-10 * (masked_mean(returns.pow(2), mask).item() + 1e-10):
         return float("nan")
     return float(1.0 - masked_var(returns - values, mask) / var_r)
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits) along the last dim: (..., V) -> (...)."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)
 
 
 @torch.no_grad()

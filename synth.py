@@ -10,7 +10,7 @@ set with a manifest beside it. The trainer reads it with tasks.load_tasks.
      rows {index, hash, data_source, ops, device, seed, eager_ms, compile_ms, spec, code} in candidate order,
      `<out>.manifest.json` (command, versions, counts, rejections per filter), `<out>.catalogue.json`,
      `<out>.progress.jsonl` (resume). Candidate i draws from its own RNG seeded by (seed, i), so a run is
-     reproducible and resumable whatever the worker count. `--demos-dir` also writes demos (demos.py).
+     reproducible and resumable whatever the worker count. `--demos-dir` also writes demos (synth_ops.write_demos).
 
 Departures from the paper
   1. The paper's composer is an LLM; ours is programmatic by default (reproducible, free).
@@ -42,13 +42,11 @@ from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 import torch
 from tqdm import tqdm
 
-from demos import write_demos
 from env import EpisodeState, resolve_device
 from policy import PolicyConfig, make_policy
-from sandbox import SandboxConfig
-from sandbox_ray import RayPool
+from sandbox import RayPool, SandboxConfig
 from synth_filters import FILTERS, kernelbench_refs, run_chunk, static_filters
-from synth_ops import call_op, catalogue_report, instantiate, mine_catalogue
+from synth_ops import call_op, catalogue_report, instantiate, mine_catalogue, write_demos
 from tasks import source_hash
 
 # --------------------------------------------------------------------------------------------------
@@ -76,7 +74,7 @@ class SynthConfig:
     sandbox: SandboxConfig = field(default_factory=_synth_sandbox)
     """where and how the execution filters run: device (auto | cpu | cuda), mem_limit_mb (one child),
     warmup/iters (eager and compiled timing), atol/rtol (nondegenerate and runs_compile), ray_address (the
-    chunks run on a Ray cluster's lanes, sandbox_ray.py); its other fields do not apply here"""
+    chunks run on a Ray cluster's lanes, sandbox/ray.py); its other fields do not apply here"""
     scale: str = "auto"
     """tensor sizes and runtime window: cuda (1-100 ms, real sizes) | cpu (0.02-50 ms, small) | auto (= device)"""
     min_ms: float | None = None

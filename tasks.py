@@ -34,7 +34,6 @@ import threading
 import urllib.parse
 from dataclasses import dataclass, field
 
-OPS6K_ID = "BytedTsinghua-SIA/CUDA-Agent-Ops-6K"   # columns: code, ops, data_source ("torch#k" | "transformers")
 KERNELBENCH_ID = "ScalingIntelligence/KernelBench"  # splits level_1..level_4; columns code, level, name, problem_id
 
 

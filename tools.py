@@ -62,7 +62,7 @@ def truncate(s: str, n: int) -> str:
 # --------------------------------------------------------------------------------------------------
 
 
-LAYOUTS = ("ctypes", "cuda_extension")  # make_workspace's workspace forms (b and c in sandbox.py)
+LAYOUTS = ("ctypes", "cuda_extension")  # make_workspace's workspace forms (b and c in sandbox/core.py)
 # layout "cuda_extension": workspace file -> prompt file ({name}, {ext} filled in)
 _EXT_FILES = {"model_new.py": "scaffold_ext_model_new.py", "binding.cpp": "scaffold_ext_binding.cpp",
               "binding_registry.h": "scaffold_ext_registry.h", "kernels/{name}.{ext}": "scaffold_ext_kernel.{ext}",
@@ -268,7 +268,8 @@ def bash_argv(ws: str, hide: list[str], device: str) -> tuple[list[str], dict[st
     path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")  # `python` = ours
     if sandbox.isolation() != "bwrap":
         prefix = ["unshare", "--net", "--map-root-user"] if sandbox.isolation() == "unshare" else []
-        return prefix, {**os.environ, "PYTHONPATH": REPO, "PATH": path}
+        # the harness's directory, as in the bwrap case: `from sandbox_worker import ...` works
+        return prefix, {**os.environ, "PYTHONPATH": os.path.dirname(sandbox.WORKER), "PATH": path}
     # the workspace writable, its model.py read-only; `python -c "from sandbox_worker import ..."` works
     argv = sandbox.bwrap_argv([], ws, device, [], hide, ro_binds=(os.path.join(ws, "model.py"),),
                               setenv={"PYTHONPATH": sandbox.HARNESS_DIR, "PATH": path})

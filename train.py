@@ -70,9 +70,9 @@ import ppo
 import reward
 import runlog
 import sandbox
-import sandbox_ray
 import tasks as tasks_mod
 from runlog import STAGES
+from sandbox import ray as sandbox_ray
 from train_config import RFTConfig, TrainConfig
 
 # noise, not news: peft calls transformers' deprecated is_gradient_checkpointing on every adapter it adds

@@ -156,7 +156,7 @@ class TrainConfig:
     grad_checkpointing: bool = False
     """gradient checkpointing of the base model (GPU, long contexts)"""
     rollout_engine: bool = True
-    """sample rollouts with generate.Engine (KV cache reused across turns); off: plain model.generate"""
+    """sample rollouts with engine.Engine (KV cache reused across turns); off: plain model.generate"""
     checkpoint_every: int = 1
     """write a checkpoint every N steps (and at the end of each stage)"""
     verbose: bool = False

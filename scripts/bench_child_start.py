@@ -12,7 +12,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import sandbox  # noqa: E402
-from sandbox_child import Child, new_jobdir, phases  # noqa: E402
+from sandbox.child import Child, new_jobdir, phases  # noqa: E402
 
 
 def wall(cmd: list[str], n: int = 5) -> float:

@@ -1,4 +1,4 @@
-"""Where a check's time goes under the trusted driver (sandbox_driver.py): the driver's primitives alone (the L2
+"""Where a check's time goes under the trusted driver (sandbox/harness/driver.py): the driver's primitives alone (the L2
 reset, a device sync, stopping a CUDA process's tree), then honest checks of the ReLU workspace with the
 driver's per-call breakdown from the verdict (host wall time of a call, its enqueue, the child's reply, the
 stop, the comparison) and the time the driver's clock gives a small kernel and eager.
@@ -18,7 +18,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 import sandbox  # noqa: E402
-from sandbox_share import Freezer, GpuOps  # noqa: E402
+from sandbox.harness.share import Freezer, GpuOps  # noqa: E402
 
 KEYS = ("correct", "error", "violation", "candidate_ms", "eager_ms", "compile_ms")
 

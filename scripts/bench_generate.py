@@ -1,4 +1,4 @@
-"""Multi-turn rollout throughput: generate.Engine vs the plain `model.generate` loop, same model, one run.
+"""Multi-turn rollout throughput: engine.Engine vs the plain `model.generate` loop, same model, one run.
 
 The workload mimics agent rollouts: `episodes` conversations start from a `prompt_tokens`
 prompt; every turn each one receives an observation of `obs_tokens/2..obs_tokens` random tokens and samples
@@ -10,7 +10,7 @@ Models have random weights built from a config (no download): `toy` (CPU), `smal
 `a3b` (the Qwen3-30B-A3B shape, ~61 GB in bf16).
 
 KV budget (`--kv-budget-gib`, `--kv-evict offload|drop`): the engine keeps its arena plus the idle caches on the
-device within the budget (generate.py, above `Engine`). Preset `a3b_kv`: 64 episodes of the A3B shape grow to
+device within the budget (engine/generate.py, above `Engine`). Preset `a3b_kv`: 64 episodes of the A3B shape grow to
 ~15-16k tokens each (2,048-token prompt, 4 observations of 3,000-3,500 tokens, turns of <= 32 sampled tokens):
 ~90 GiB of KV at 96 KiB per token, run within 40 GiB; `toy_kv` is the same mechanism on the CPU toy model.
 Reported: arena rows, peak resident KV, tokens offloaded/reloaded/dropped and seconds of copies.
@@ -59,8 +59,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-import fused_ops  # noqa: E402
-from generate import Engine  # noqa: E402
+from engine import fused_ops  # noqa: E402
+from engine.generate import Engine  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -646,7 +646,7 @@ def main(cfg: BenchConfig) -> int:
         with open(cfg.out, "w") as f:
             json.dump(res, f, indent=1)
 
-    print(f"\n### generate.Engine vs plain generate loop: {cfg.preset} "
+    print(f"\n### engine.Engine vs plain generate loop: {cfg.preset} "
           f"({n_params / 1e9:.2f}B, {res['device']}, {dtype})")
     print(f"{cfg.episodes} episodes x {cfg.turns} turns (plain: first {k}), obs <= {cfg.obs_tokens}, "
           f"new <= {cfg.new_tokens}, max_batch {cfg.max_batch or cfg.episodes}, T={cfg.temperature}, "

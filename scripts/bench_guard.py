@@ -37,8 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
-import sandbox_measure as m  # noqa: E402
-import sandbox_worker as w  # noqa: E402
+import sandbox.harness.measure as m  # noqa: E402
+from sandbox.harness import sandbox_worker as w  # noqa: E402
 from sandbox import SandboxConfig, guard_library  # noqa: E402
 from bench_sandbox import CPP, CU, VEC_CU  # noqa: E402  (the same ReLU kernels)
 

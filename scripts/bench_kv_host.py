@@ -1,7 +1,7 @@
 """Copy speed of the rollout engine's KV offload (kv_host.offload / kv_host.reload) against a pageable copy.
 
 One cache of the Qwen3-30B-A3B shape at 16k tokens, (48 layers, 2, 4 kv heads, 16384, 128) bf16 = 1.61 GB,
-taken as a strided row of an arena like generate.Engine's: offloaded and reloaded three times (the first
+taken as a strided row of an arena like engine.Engine's: offloaded and reloaded three times (the first
 offload pins new blocks, later ones reuse them), then 20 caches on new blocks (pinning included) and the same
 20 on reused blocks, then `kv.to("cpu")` (pageable). Also checks that a cache whose layers straddle blocks of
 an odd size round-trips bit for bit and leaves the neighbouring arena rows untouched. Last, the device copies the
@@ -17,8 +17,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
-import fused_ops  # noqa: E402
-from kv_host import HostPool, offload, reload  # noqa: E402
+from engine import fused_ops  # noqa: E402
+from engine.kv_host import HostPool, offload, reload  # noqa: E402
 
 
 def timed(fn):

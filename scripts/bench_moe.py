@@ -6,7 +6,7 @@ experts calls as CUDA-graph replays (the engine decodes through graphs), with a 
 replays so that no expert is served from L2. Reported per M: touched experts, their weight bytes (what a
 weight-bound kernel must read), median ms, achieved GB/s of touched bytes and the fraction of the 4.8 TB/s
 HBM peak, and the relative error of fused vs grouped_mm. Then a small sweep of block configs per kernel
-(gate_up and down timed alone) prints the best per M as a `CONFIGS` literal for moe_kernel.py.
+(gate_up and down timed alone) prints the best per M as a `CONFIGS` literal for engine/moe_kernel.py.
 
 GPU (H200, < 90 s): python scripts/bench_moe.py
                     python scripts/bench_moe.py --no-sweep          (the table only, ~15 s)
@@ -82,7 +82,7 @@ class Timer:
 def main():
     args = parse()
     import torch
-    import moe_kernel as mk
+    from engine import moe_kernel as mk
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 

@@ -1,6 +1,6 @@
 """HFPolicy in an agent-shaped loop: per-turn time split into prompt building (chat template +
 tokenize_conversation, incremental through EpisodeState.cache) and sampling, for the plain `generate` path
-and the generate.Engine path (KV cache kept across turns), on the same random Qwen3-MoE.
+and the engine.Engine path (KV cache kept across turns), on the same random Qwen3-MoE.
 
 Each of `episodes` conversations starts with a system + user prompt and the env's tool schemas; every turn
 the policy acts on all of them at once, then each gets a tool observation of `obs_chars` characters.
@@ -91,7 +91,7 @@ def main() -> int:
     for path in a.paths.split(","):
         engine = None
         if path == "engine":
-            from generate import Engine
+            from engine.generate import Engine
             engine = Engine(model, tok, max_batch=a.episodes, max_new_tokens=a.new_tokens, temperature=1.0,
                             stop_ids={tok.convert_tokens_to_ids("<|im_end|>")})
         pol = HFPolicy(model, tok, max_new_tokens=a.new_tokens, temperature=1.0, engine=engine)

@@ -1,4 +1,4 @@
-"""Checks a minute of the sandbox pool on Ray (sandbox_ray.RayPool) against its number of lanes, next to the local
+"""Checks a minute of the sandbox pool on Ray (sandbox.ray.RayPool) against its number of lanes, next to the local
 pool (sandbox.SandboxPool) with as many slots, on the same candidates, and what Ray adds to each check.
 
 Every row submits --checks checks of the ReLU workspace (tests/fixtures/sandbox: a form (b) workspace with a C++
@@ -25,7 +25,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import sandbox  # noqa: E402
-import sandbox_ray  # noqa: E402
+import sandbox.ray  # noqa: E402
 
 TASK = os.path.join(ROOT, "tests", "fixtures", "sandbox", "relu_task.py")
 WS = os.path.join(ROOT, "tests", "fixtures", "sandbox", "relu_ws")
@@ -78,7 +78,7 @@ def main() -> int:
                         "a GPU lane's to 1, so the rows compare like with like; 0 leaves it unset")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args()
-    if args.omp_threads:  # the local pool's children inherit it (sandbox_child.PASS_ENV)
+    if args.omp_threads:  # the local pool's children inherit it (sandbox.child.PASS_ENV)
         os.environ["OMP_NUM_THREADS"] = str(args.omp_threads)
     import ray
     from ray.cluster_utils import Cluster
@@ -90,7 +90,7 @@ def main() -> int:
             cluster.add_node(num_cpus=per)
         cluster.wait_for_nodes()
     address = args.address or cluster.address
-    sandbox_ray.connect(address)
+    sandbox.ray.connect(address)
     start = {"cluster_and_connect_s": round(time.perf_counter() - t0, 1)}
     print(f"ray {ray.__version__}: {args.nodes if cluster else 'running'} node(s) up and connected in "
           f"{start['cluster_and_connect_s']} s; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores",
@@ -110,7 +110,7 @@ def main() -> int:
             pool.close()
         print(json.dumps(rows[-1]), flush=True)
         t = time.perf_counter()
-        pool = sandbox_ray.RayPool(cfg, max_lanes=n)
+        pool = sandbox.ray.RayPool(cfg, max_lanes=n)
         up = round(time.perf_counter() - t, 1)
         try:
             rows.append({"pool": "ray", "lanes": len(pool.lanes), "pool_start_s": up, **batch(pool, args.checks)})

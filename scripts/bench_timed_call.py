@@ -35,9 +35,9 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 import sandbox  # noqa: E402
-import sandbox_child  # noqa: E402
-import sandbox_measure  # noqa: E402
-import sandbox_worker  # noqa: E402
+import sandbox.child  # noqa: E402
+import sandbox.harness.measure  # noqa: E402
+from sandbox.harness import sandbox_worker  # noqa: E402
 from bench_sandbox import VEC_CU  # noqa: E402
 
 CONDITIONS = ["plain", "module", "profiler", "guard", "sketch", "loaded", "profiler+guard+sketch"]
@@ -76,7 +76,7 @@ def timed_calls(fn, n: int, guard=None, sketch: bool = False) -> list[float]:
     sync, out = torch.cuda.synchronize, []
     for i in range(n):
         x = torch.randn(4096, 4096, device="cuda")
-        sandbox_measure.scrub("cuda", sync)
+        sandbox.harness.measure.scrub("cuda", sync)
         with torch.no_grad():
             if guard is not None:
                 guard.__enter__()
@@ -87,7 +87,7 @@ def timed_calls(fn, n: int, guard=None, sketch: bool = False) -> list[float]:
             if guard is not None:
                 guard.__exit__(None, None, None)
         if sketch:
-            sandbox_measure.sketch([y], [i + 1, i + 2, i + 3])
+            sandbox.harness.measure.sketch([y], [i + 1, i + 2, i + 3])
         del y, x
     return out
 
@@ -100,7 +100,7 @@ def device_ms(fn, n: int, scrubbed: bool) -> float:
         for _ in range(n):
             if scrubbed:
                 x = torch.randn(4096, 4096, device="cuda")
-                sandbox_measure.scrub("cuda", torch.cuda.synchronize)
+                sandbox.harness.measure.scrub("cuda", torch.cuda.synchronize)
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             fn(x)
@@ -111,14 +111,14 @@ def device_ms(fn, n: int, scrubbed: bool) -> float:
 
 
 def run_condition(cond: str, so: str, calls: int, load: int) -> dict:
-    sandbox_measure.bind_torch("cuda")
+    sandbox.harness.measure.bind_torch("cuda")
     mods = {"eager": Eager(), "float4": Float4(so)}
     if cond == "plain":
         mods = {"eager": torch.relu, "float4": mods["float4"].forward}
     guard = None
     if cond == "setup":  # what run_candidate / _serve do before and around a candidate's timed calls
         torch.cuda.set_per_process_memory_fraction(0.9)
-        sandbox_measure.set_precision(False)
+        sandbox.harness.measure.set_precision(False)
         torch.randn(1 << 20).mul_(2).sum()
         gc.collect()
         gc.freeze()
@@ -175,7 +175,7 @@ def main():
             cmd = [sys.executable, __file__, "--one", cond.removeprefix("bwrap:"), "--so", so, "--calls",
                    str(args.calls), "--load", str(args.load)]
             if cond.startswith("bwrap:"):
-                cmd = sandbox_child.bwrap_argv(cmd, d, "cuda", [], [])
+                cmd = sandbox.child.bwrap_argv(cmd, d, "cuda", [], [])
             r = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if r.returncode:
                 print(cond, "failed:", r.stderr[-1500:], file=sys.stderr)

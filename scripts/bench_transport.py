@@ -6,7 +6,7 @@
   pipe 64 MB                 one write through a 1 MiB pipe to a reader process reading 1 MiB at a time;
   d2h into shm               into a memfd mapping, as is and registered with CUDA (the shared buffer now);
   h2d pageable / pinned      the host's copy of an output to its GPU for the comparison;
-  compare on cuda            sandbox_rules.compare with the reference on the host or already on the GPU.
+  compare on cuda            sandbox.harness.rules.compare with the reference on the host or already on the GPU.
 
 GPU: python3 scripts/bench_transport.py
 """
@@ -21,8 +21,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
-import sandbox_measure as m  # noqa: E402
-from sandbox_rules import compare  # noqa: E402
+import sandbox.harness.measure as m  # noqa: E402
+from sandbox.harness.rules import compare  # noqa: E402
 
 N, DEV = 4096 * 4096, "cuda"
 READER = ("import os, sys\nb = bytearray(64 << 20); v = memoryview(b)\nwhile True:\n    o = 0\n"

@@ -8,7 +8,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-# No CUDA: Triton kernels (moe_kernel.py) run on CPU tensors under Triton's interpreter. Triton reads the
+# No CUDA: Triton kernels (engine/moe_kernel.py) run on CPU tensors under Triton's interpreter. Triton reads the
 # variable when it is imported (its tl.* helpers) and when a kernel is decorated, and test modules import it
 # indirectly (peft, torch._dynamo) long before tests/test_moe_kernel.py, so it is set here, first.
 if "TRITON_INTERPRET" not in os.environ:

@@ -293,7 +293,7 @@ def test_observations_past_the_budget_stay_out_of_the_record(tmp_path, tok):
 
 @pytest.mark.slow
 def test_overlapped_turns_equal_turn_by_turn(tmp_path):
-    """run_episodes with a streaming policy (HFPolicy on generate.Engine): each episode's next turn starts when
+    """run_episodes with a streaming policy (HFPolicy on engine.Engine): each episode's next turn starts when
     its tools finish, and the trajectories (messages, sampled ids, log-probs) equal turn-by-turn ones."""
     model, tok = build_tiny_model_and_tokenizer(seed=0)
     model = model.float()

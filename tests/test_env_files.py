@@ -34,7 +34,7 @@ def get_inputs():
 def get_init_inputs():
     return []
 '''
-SANDBOX_PY = os.path.join(os.path.dirname(os.path.abspath(sandbox.__file__)), "sandbox.py")
+CORE_PY = os.path.join(os.path.dirname(os.path.abspath(sandbox.__file__)), "core.py")
 
 
 def tool(ep, name, timeout=30.0, **args) -> str:
@@ -72,7 +72,7 @@ def ep(tmp_path, pool):
 
 
 def secrets(ep) -> dict:
-    return {"harness.txt": SANDBOX_PY, "base.txt": os.path.join(ep.sb.cache_dir, "baselines.json"),
+    return {"harness.txt": CORE_PY, "base.txt": os.path.join(ep.sb.cache_dir, "baselines.json"),
             "kernels/other.h": os.path.join(ep.other_ws, "model_new.py")}
 
 

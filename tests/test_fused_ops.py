@@ -9,7 +9,7 @@ import torch
 
 CUDA = torch.cuda.is_available()
 pytest.importorskip("triton")
-import fused_ops  # noqa: E402
+from engine import fused_ops  # noqa: E402
 
 if not (CUDA or fused_ops.INTERPRET):
     pytest.skip("no CUDA and TRITON_INTERPRET != 1 when triton was imported", allow_module_level=True)
@@ -163,7 +163,7 @@ def test_copy_kv_between_arena_rows_and_caches(D):
 def test_qkv_weight_follows_in_place_updates():
     """The fused [W_q; W_k; W_v] is made again when a weight changes in place (an optimizer step), and not made
     for a projection with a bias."""
-    import ragged_attention
+    from engine import ragged_attention
     cfg = Qwen3MoeConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     attn = hf.Qwen3MoeAttention(cfg, layer_idx=0)
     cache = {}

@@ -1,4 +1,4 @@
-"""generate.Engine against the plain path (re-encode the conversation every turn), on a tiny random MoE in fp32.
+"""engine.Engine against the plain path (re-encode the conversation every turn), on a tiny random MoE in fp32.
 
 Each test plays several multi-turn episodes with ragged prompt/observation lengths and per-episode budgets,
 with a large stop set so that episodes stop at different points, and checks one property.
@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
-from generate import Engine, HostKV
-from sampling import episode_generator, plain_turn, sample_next
+from engine.generate import Engine, HostKV
+from engine.sampling import episode_generator, plain_turn, sample_next
 
 try:
     from policy import build_tiny_model_and_tokenizer
@@ -205,7 +205,7 @@ def test_follow_ups_equal_turn_by_turn(model, monkeypatch):
     attention="triton" through fused_ops' kernels where triton runs) or admitted by their own prefill forwards
     (feed_tokens=0). Fed in place, a run starts with twice the columns its first turns need; long observations
     take it past them."""
-    import fused_ops
+    from engine import fused_ops
     short, long = long_script(6, 5, seed=21), long_script(6, 4, seed=21, obs=(40, 60))
     cfgs = ((4, False, 256), (6, True, 256), (2, False, 256), (6, True, 8), (4, False, 0))
     if fused_ops.triton is not None and fused_ops.INTERPRET:     # CPU tensors: the kernels under the interpreter
@@ -346,7 +346,7 @@ def test_cuda_graph_decode_matches_eager():
 def test_triton_decode_attention_matches_plain(model, monkeypatch):
     """Engine(attention="triton"): decode attention through fused_ops' kernel (the Triton interpreter on CPU),
     greedy turns equal the plain reference in fp32."""
-    import fused_ops
+    from engine import fused_ops
     if fused_ops.triton is None or not fused_ops.INTERPRET:   # the model is on the CPU (the GPU test: test_fused_ops)
         pytest.skip("needs triton with TRITON_INTERPRET=1 (CPU tensors)")
     calls, real = [], fused_ops.decode_attention
@@ -364,8 +364,8 @@ def test_fused_ops_match_the_model_and_are_restored(model, monkeypatch):
     q/k norms, rotary and K/V write as fused_ops.attention_prologue) and routers through fused_ops' kernels (the
     Triton interpreter on CPU); greedy turns equal the plain reference, and the model is itself again after
     each call."""
-    import fused_ops
-    from fused_ops import rms_norm as fused_rms_norm
+    from engine import fused_ops
+    from engine.fused_ops import rms_norm as fused_rms_norm
     norm = next(m for m in model.modules() if type(m).__name__.endswith("RMSNorm"))
     x = torch.randn(3, 5, norm.weight.shape[0])
     with torch.no_grad():

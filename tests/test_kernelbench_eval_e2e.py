@@ -15,7 +15,7 @@ import pytest
 import env
 import kernelbench_eval as kb
 import sandbox
-import sandbox_rules
+import sandbox.harness.rules
 from policy import PolicyConfig
 
 FIX = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "kernelbench")
@@ -86,7 +86,7 @@ def test_samples_are_judged_by_kernelbench_rules(tmp_path):
     assert json.load(open(tmp_path / "out" / "summary.json"))["rules"] == "kernelbench"
     # the paper's profile reads the honest sample's no-op cast as compute: the profile decides that verdict
     honest = open(os.path.join(rules_dir, "level_1_problem_1_sample_0_kernel.py")).read()
-    assert ".float()" in sandbox_rules.static_scan(honest, (), "cuda-agent")
+    assert ".float()" in sandbox.harness.rules.static_scan(honest, (), "cuda-agent")
 
 
 @pytest.mark.slow

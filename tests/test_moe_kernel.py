@@ -10,7 +10,7 @@ import torch
 
 CUDA = torch.cuda.is_available()
 pytest.importorskip("triton")
-import moe_kernel as mk  # noqa: E402
+from engine import moe_kernel as mk  # noqa: E402
 
 if not (CUDA or mk.INTERPRET):   # conftest.py sets it before triton is first imported; a bare run may not
     pytest.skip("no CUDA and TRITON_INTERPRET != 1 when triton was imported", allow_module_level=True)
@@ -201,7 +201,7 @@ def test_lora_parametrized_experts(fused_calls):
 @pytest.mark.slow
 def test_engine_fused_greedy_matches_default(fused_calls):
     """Engine(experts="fused") decodes the same greedy tokens as the model's default experts."""
-    from generate import Engine
+    from engine.generate import Engine
     from policy import build_tiny_model_and_tokenizer
     model, _ = build_tiny_model_and_tokenizer(seed=0)
     model = model.to(DEV)
@@ -217,7 +217,7 @@ def test_engine_fused_greedy_matches_default(fused_calls):
 
 
 def test_engine_without_triton_says_so(monkeypatch):
-    from generate import Engine
+    from engine.generate import Engine
     from policy import build_tiny_model_and_tokenizer
     monkeypatch.setattr(mk, "triton", None)
     model, _ = build_tiny_model_and_tokenizer(seed=0)

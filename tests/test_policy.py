@@ -157,12 +157,12 @@ def test_hf_policy_logprobs_match_a_forward_pass(tiny):
 
 
 def test_hf_policy_engine_path_matches_plain_path(tiny):
-    """With generate.Engine (KV cache kept across turns) greedy turns equal the plain generate path."""
-    generate = pytest.importorskip("generate")
+    """With engine.Engine (KV cache kept across turns) greedy turns equal the plain generate path."""
+    engine = pytest.importorskip("engine")
     model, tok = tiny
     model = model.float()
-    eng = generate.Engine(model, tok, max_batch=4, max_new_tokens=12, temperature=0.0,
-                          stop_ids={tok.convert_tokens_to_ids("<|im_end|>")})
+    eng = engine.Engine(model, tok, max_batch=4, max_new_tokens=12, temperature=0.0,
+                        stop_ids={tok.convert_tokens_to_ids("<|im_end|>")})
     fast = HFPolicy(model, tok, max_new_tokens=12, temperature=0.0, engine=eng)
     plain = HFPolicy(model, tok, max_new_tokens=12, temperature=0.0)
     convs = {e: [{"role": "user", "content": "episode %d " % e * (e + 1)}] for e in range(3)}
@@ -200,7 +200,7 @@ def test_hf_policy_engine_takes_the_experts_implementation(tiny):
     """--sampler.experts reaches the engine: HFPolicy(engine=True, experts="fused") decodes through moe_kernel's
     kernels (the Triton interpreter on CPU) and greedy turns equal the plain path's."""
     pytest.importorskip("triton")
-    import moe_kernel
+    from engine import moe_kernel
     model, tok = tiny
     model = model.float()
     fast = HFPolicy(model, tok, max_new_tokens=8, temperature=0.0, engine=True, experts="fused")

@@ -16,8 +16,8 @@ import pytest
 
 import reward
 import sandbox
-import sandbox_child
-import sandbox_rules
+import sandbox.child
+import sandbox.harness.rules
 from sandbox import SandboxConfig, TaskError, check, compare, load_task, static_scan
 
 FIX = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "sandbox")
@@ -156,13 +156,13 @@ def test_bad_input_files_answer_on_the_host_in_milliseconds(cfg, tmp_path):
 def test_a_child_that_cannot_start_is_an_error_not_a_verdict(cfg, monkeypatch):
     """The sandbox's own failures (here: the worker script is gone) raise SandboxError with one line; they
     never become a verdict with reward -1 that training would learn from."""
-    monkeypatch.setattr(sandbox_child, "WORKER", "/nonexistent/sandbox_worker.py")
+    monkeypatch.setattr(sandbox.child, "WORKER", "/nonexistent/sandbox_worker.py")
     with pytest.raises(sandbox.SandboxError, match="did not start") as e:
         run(sol(), dataclasses.replace(cfg, seed=12345))  # a seed of its own: no cached reference pool
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.skipif(sandbox_child.gpus_listed() > 0, reason="a GPU is visible here")
+@pytest.mark.skipif(sandbox.child.gpus_listed() > 0, reason="a GPU is visible here")
 def test_cuda_without_a_gpu_is_an_error_not_a_bad_task(cfg):
     with pytest.raises(sandbox.SandboxError, match="no GPU is visible"):
         run(sol(), dataclasses.replace(cfg, device="cuda"))
@@ -177,10 +177,10 @@ def test_isolation_probe_is_race_free(monkeypatch):
     def slow_probe(cmd, **kw):  # a probe that succeeds, slowly (bwrap can take a second on a loaded host)
         time.sleep(0.3)
         return subprocess.CompletedProcess(cmd, 0, stdout=b"sandbox_worker ok\n")
-    monkeypatch.setattr(sandbox_child, "_ISOLATION", None)
+    monkeypatch.setattr(sandbox.child, "_ISOLATION", None)
     monkeypatch.delenv("CUDA_AGENT_ISOLATION", raising=False)
-    monkeypatch.setattr(sandbox_child.shutil, "which", lambda name: "/usr/bin/" + name)
-    monkeypatch.setattr(sandbox_child.subprocess, "run", slow_probe)
+    monkeypatch.setattr(sandbox.child.shutil, "which", lambda name: "/usr/bin/" + name)
+    monkeypatch.setattr(sandbox.child.subprocess, "run", slow_probe)
     seen, go = [], threading.Barrier(8)
 
     def ask():
@@ -385,8 +385,8 @@ def test_patched_worker_module_changes_nothing(pcfg):
     """The harness in the candidate's process measures nothing: patching its clock, its sync and its channel
     leaves the driver's clock (in another process) as it was."""
     head = ("import sandbox_worker\nsandbox_worker._perf = lambda: 0.0\nsandbox_worker._sync = lambda: None\n"
-            "import sandbox_wire\n_send = sandbox_wire.Link.send\n"
-            "sandbox_wire.Link.send = lambda self, o: _send(self, {**o, 'ms': 1e-6, 'error': None})\n")
+            "import wire\n_send = wire.Link.send\n"
+            "wire.Link.send = lambda self, o: _send(self, {**o, 'ms': 1e-6, 'error': None})\n")
     v = run(sol(SLOW, head=head), dynamic_only(pcfg))
     assert v.correct and v.violation is None and v.candidate_ms >= 9.0, v.to_dict()
 
@@ -418,7 +418,7 @@ def test_candidate_time_is_the_baselines_statistic():
     calls = [{"phase": "time", "ms": m} for m in [2.0] * 3 + ms]  # 3 warm-ups, not counted
     base = {"eager_ms": 0.4, "compile_ms": 0.8, "runs": 2, "eager_rounds": [0.4, 0.45, 0.5]}
     v = sandbox.Verdict(correct=True)
-    sandbox_rules.timing(calls, {}, base, v, SandboxConfig(warmup=3, iters=100), retime=None)
+    sandbox.harness.rules.timing(calls, {}, base, v, SandboxConfig(warmup=3, iters=100), retime=None)
     assert v.timings["cand_rounds"] == [1.0, 1.1, 0.5] and v.timings["cand_median_all"] == 1.0
     assert v.candidate_ms == 0.5 and v.speedup_eager == pytest.approx(0.8) and v.speedup_compile == pytest.approx(1.6)
 
@@ -453,10 +453,11 @@ def test_eager_beside_a_baseline_retimed_only_for_the_compile_tier():
     base = {"eager_ms": 0.4, "compile_ms": 0.6, "runs": 1, "eager_rounds": [0.4] * 3}
     retimed = {**base, "runs": 2}
     v = sandbox.Verdict(correct=True)
-    sandbox_rules.timing(calls, end, base, v, SandboxConfig(warmup=3, iters=10), retime=lambda: retimed)
+    sandbox.harness.rules.timing(calls, end, base, v, SandboxConfig(warmup=3, iters=10), retime=lambda: retimed)
     assert v.eager_ms == 0.8 and v.speedup_eager == pytest.approx(1.6) and v.timings.get("baseline_retimed")
     v = sandbox.Verdict(correct=True)
-    sandbox_rules.timing(calls, end, {**base, "compile_ms": 0.3}, v, SandboxConfig(warmup=3, iters=10), retime=None)
+    sandbox.harness.rules.timing(calls, end, {**base, "compile_ms": 0.3}, v, SandboxConfig(warmup=3, iters=10),
+                                 retime=None)
     assert v.eager_ms == 0.8 and not v.timings.get("baseline_retimed")  # neither tier rests on compile's 0.3
 
 
@@ -491,11 +492,11 @@ def test_writes_outside_workspace_do_not_persist(cfg, tmp_path):
 def test_children_import_from_a_bytecode_cache_they_cannot_write(cfg, tmp_path, monkeypatch):
     """Where torch ships no bytecode, children import it from a cache filled once by a trusted process: a
     candidate child sees it as its PYTHONPYCACHEPREFIX and cannot plant a .pyc there for a later child."""
-    import sandbox_build
-    monkeypatch.setattr(sandbox_build, "ships_bytecode", lambda: False)
-    monkeypatch.setattr(sandbox_child, "PYCACHE", None)
+    import sandbox.build
+    monkeypatch.setattr(sandbox.build, "ships_bytecode", lambda: False)
+    monkeypatch.setattr(sandbox.child, "PYCACHE", None)
     c = dataclasses.replace(cfg, cache_dir=str(tmp_path / "cache"))
-    d = sandbox_build.bytecode_cache(c)
+    d = sandbox.build.bytecode_cache(c)
     assert d and any(f.startswith("compile_fx.") for _, _, fs in os.walk(d) for f in fs), d
     head = """
         p = os.path.join(sys.pycache_prefix or '/nonexistent', 'planted.pyc')
@@ -508,7 +509,7 @@ def test_children_import_from_a_bytecode_cache_they_cannot_write(cfg, tmp_path, 
         raise RuntimeError(f'prefix={sys.pycache_prefix} torch_cached={cached} wrote={wrote}')
         """
     v = run(sol(head=head), dynamic_only(c))
-    assert f"prefix={sandbox_child.PYCACHE_SEEN} torch_cached=True wrote=False" in (v.error or ""), v.to_dict()
+    assert f"prefix={sandbox.child.PYCACHE_SEEN} torch_cached=True wrote=False" in (v.error or ""), v.to_dict()
     assert not os.path.exists(os.path.join(d, "planted.pyc"))
 
 
@@ -561,7 +562,7 @@ def test_cannot_read_baseline_cache_or_sandbox_root(pcfg):
     assert run(RELU_WS, pcfg).correct  # makes sure baselines.json exists
     secret = os.path.join(os.path.expanduser(pcfg.cache_dir), "baselines.json")
     assert os.path.exists(secret)
-    root = sandbox_child.root()  # holds every job dir; inside, only the candidate's own job path may show
+    root = sandbox.child.root()  # holds every job dir; inside, only the candidate's own job path may show
     head = (f"if os.path.exists({secret!r}):\n    raise RuntimeError('LEAK baselines')\n"
             f"jobs = os.listdir({root!r})\n"
             f"if len(jobs) != 1 or os.listdir(os.path.join({root!r}, jobs[0])) != ['w']:\n"
@@ -605,7 +606,7 @@ def test_cache_dir_follows_env(monkeypatch, tmp_path):
 @pytest.mark.slow
 def test_run_isolated():
     c = SandboxConfig()
-    ok, val, err = sandbox.run_isolated("sandbox_measure:stats", {"times": [1.0, 2.0, 3.0]}, c, 60)
+    ok, val, err = sandbox.run_isolated("sandbox.harness.measure:stats", {"times": [1.0, 2.0, 3.0]}, c, 60)
     assert ok and val["median_ms"] == 2.0, err
     ok, val, err = sandbox.run_isolated("os:abort", {}, c, 60)
     assert not ok and "SIGABRT" in err
@@ -647,7 +648,7 @@ class ModelNew(torch.nn.Module):
     "if torch._C._len_torch_dispatch_stack() == 0: return torch.relu(x)",
     "if not torch.autograd.profiler._is_profiler_enabled: return torch.relu(x)",
     "if not torch.autograd._profiler_enabled(): return torch.relu(x)",
-    "import sandbox_measure; sandbox_measure._sync = lambda: None",
+    "import measure; measure._sync = lambda: None",
     "import sandbox_worker; sandbox_worker._GUARD = None",
     "import sys; sys.setprofile(None)",
     "import inspect; inspect.stack()",

@@ -18,8 +18,8 @@ import pytest
 
 import reward
 import sandbox
-import sandbox_build
-import sandbox_child
+import sandbox.build
+import sandbox.child
 import workspace
 from sandbox import SandboxConfig, TaskError
 from workspace import WorkspaceError
@@ -231,7 +231,7 @@ def test_more_kernels_than_max_kernels_is_an_error(ws, cfg):
 
 def test_compiles_share_one_workspace_budget(ws, cfg, monkeypatch):
     """A compile that outlasts the workspace's budget is stopped there (not at compile_timeout_s per kernel)."""
-    monkeypatch.setattr(sandbox_build, "_compile_cmd", lambda src, so, text="": ["sleep", "30"])  # a slow compiler
+    monkeypatch.setattr(sandbox.build, "_compile_cmd", lambda src, so, text="": ["sleep", "30"])  # a slow compiler
     shutil.copy(ws / "kernels" / "relu.cpp", ws / "kernels" / "relu2.cpp")
     (ws / "kernels" / "relu2.cpp").write_text("// another kernel\n")
     c = dataclasses.replace(cfg, compile_budget_s=1.5, compile_timeout_s=60)
@@ -247,7 +247,7 @@ def secrets_for(ws, cfg) -> list[str]:
     os.makedirs(cache, exist_ok=True)
     with open(os.path.join(cache, "baselines.json"), "w") as f:
         f.write("{}")
-    out = [os.path.join(os.path.dirname(os.path.abspath(sandbox.__file__)), "sandbox.py"),
+    out = [os.path.join(os.path.dirname(os.path.abspath(sandbox.__file__)), "core.py"),
            os.path.join(cache, "baselines.json"), os.path.join(os.path.dirname(ws), "ep00001_other", "model_new.py")]
     assert all(os.path.exists(p) for p in out)
     return out
@@ -256,7 +256,7 @@ def secrets_for(ws, cfg) -> list[str]:
 @BWRAP
 def test_compile_child_sees_no_cache_repo_or_siblings(ws, cfg, monkeypatch):
     probe = " ".join(f"if test -e {p}; then echo LEAK {p}; exit 1; fi;" for p in secrets_for(str(ws), cfg))
-    monkeypatch.setattr(sandbox_build, "_compile_cmd", lambda src, so, text="": ["sh", "-c", f"{probe} : > {so}"])
+    monkeypatch.setattr(sandbox.build, "_compile_cmd", lambda src, so, text="": ["sh", "-c", f"{probe} : > {so}"])
     ok, log, _ = within(lambda: sandbox.compile_workspace(str(ws), cfg), 30)
     assert ok and "LEAK" not in log, log
 
@@ -264,7 +264,7 @@ def test_compile_child_sees_no_cache_repo_or_siblings(ws, cfg, monkeypatch):
 @BWRAP
 def test_hidden_child_still_runs_the_worker(ws, cfg, tmp_path):
     """With the repo hidden the worker runs from HARNESS_DIR, and the interpreter's prefixes come back."""
-    jobdir = sandbox_child.new_jobdir()
+    jobdir = sandbox.child.new_jobdir()
     try:
         os.makedirs(os.path.join(jobdir, "w"))
         args = os.path.join(jobdir, "w", "args.pkl")
@@ -291,7 +291,7 @@ def test_a_venv_inside_a_hidden_dir_keeps_working(tmp_path, monkeypatch):
     for name in ("prefix", "exec_prefix"):
         monkeypatch.setattr(sys, name, str(repo / ".venv"))
     code = f"import sys, ctypes; print('prefix', sys.prefix); print(open({str(repo / 'secret.txt')!r}).read())"
-    jobdir = sandbox_child.new_jobdir()
+    jobdir = sandbox.child.new_jobdir()
     try:
         r = within(lambda: sandbox.run_child({}, jobdir, device="cpu", timeout_s=30, mem_limit_mb=2048,
                                              hide=(str(repo),), cmd=[str(repo / ".venv" / "bin" / "python"),

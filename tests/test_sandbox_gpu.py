@@ -198,7 +198,7 @@ def test_computing_only_on_counted_calls(cfg, tmp_path):
 
 
 # ----------------------------------------------------------------------------- attacks from inside the process
-# The candidate's process only computes (sandbox_driver.py): inputs, clock and comparison are the driver's, in
+# The candidate's process only computes (sandbox/harness/driver.py): inputs, clock and comparison are the driver's, in
 # another process. Each attack below rewrites what its own process does; the verdict must not move.
 FORGE_ALL = """
 import gc, json, time
@@ -221,7 +221,7 @@ class _E:
     def elapsed_time(self, o): return 1e-6
 torch.cuda.Event = _E
 for o in gc.get_objects():  # every harness object in reach: its methods replaced by no-ops
-    if type(o).__module__ in ("sandbox_wire", "sandbox_share") and hasattr(o, "__dict__"):
+    if type(o).__module__ in ("wire", "share") and hasattr(o, "__dict__"):
         for name in ("wait_flag", "write_flag", "reset_l2"):
             if hasattr(o, name):
                 setattr(o, name, lambda *a, **k: None)

@@ -16,7 +16,7 @@ import pytest
 
 import reward
 import sandbox
-import sandbox_reference
+import sandbox.reference
 from sandbox import SandboxConfig, check, static_scan
 
 FIX = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "sandbox")
@@ -217,7 +217,7 @@ def test_a_malformed_or_endless_message_from_the_child_is_its_failure():
     """The driver reads what the candidate's process writes on their link: a line that is not a JSON object, or
     a line that never ends, reads as an error (a verdict), never as an exception in the driver."""
     import socket
-    from sandbox_wire import Link
+    from sandbox.harness.wire import Link
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     link = Link(a.detach())
     for raw, want in ((b"[1, 2]\n", "malformed"), (b"{not json\n", "malformed"), (b'{"k": 1}\n', None)):
@@ -301,10 +301,10 @@ def test_a_spare_outlives_the_thread_that_asked_for_it(cfg):
     short-lived thread (a check run by a pool) must still be alive when the next check takes it."""
     import threading
     import time
-    spares, key = sandbox.Spares(), ("cpu", None, cfg.mem_limit_mb, (), sandbox.isolation())
+    spares, key = sandbox.spares.Spares(), ("cpu", None, cfg.mem_limit_mb, (), sandbox.isolation())
 
     def spawn():  # the starting thread lingers 1 s, so bwrap has armed its parent-death signal when it exits
-        c = sandbox.Child(sandbox.new_jobdir(), device="cpu", mem_limit_mb=cfg.mem_limit_mb)
+        c = sandbox.child.Child(sandbox.new_jobdir(), device="cpu", mem_limit_mb=cfg.mem_limit_mb)
         time.sleep(1.0)
         return c
     got = []
@@ -337,14 +337,14 @@ def test_warm_spares_serve_one_candidate_each(cfg, tmp_path):
         verdicts.append(check(RELU_TASK, str(ws), c))
     assert all(v.correct for v in verdicts), [v.to_dict() for v in verdicts]
     assert any(v.timings["warm_child"] for v in verdicts[1:]), \
-        ([v.timings for v in verdicts], sandbox._SPARES.last_error)
+        ([v.timings for v in verdicts], sandbox.core._SPARES.last_error)
 
 
 @pytest.mark.slow
 def test_form_a_builds_in_a_warm_build_child(cfg):
     """With spares on, a single-file (form a) solution is built in a pre-started build child that writes only its
     own job dir; the host copies the build (links refused) into the cache and removes the child's dir."""
-    import sandbox_build
+    import sandbox.build
     c = dataclasses.replace(cfg, warm_spares=1)
     cpp = ("torch::Tensor f(torch::Tensor x) { auto y = torch::empty_like(x); const float* a = x.data_ptr<float>(); "
            "float* b = y.data_ptr<float>(); for (long i = 0; i < x.numel(); ++i) b[i] = a[i] > 0 ? a[i] : 0; "
@@ -355,10 +355,10 @@ def test_form_a_builds_in_a_warm_build_child(cfg):
     assert v.correct, v.to_dict()
     sha = __import__("hashlib").sha256(src.encode()).hexdigest()[:16]
     assert os.path.exists(os.path.join(os.path.expanduser(c.cache_dir), "torch_ext", sha, ".built"))
-    key, _, _ = sandbox_build._build_spare(c)
-    assert sandbox_build.BUILD_SPARES._ready.get(key[:2]) or sandbox_build.BUILD_SPARES._pending.get(key[:2]), \
-        sandbox_build.BUILD_SPARES.last_error  # its replacement is started
-    sandbox_build.BUILD_SPARES.close()
+    key, _, _ = sandbox.build._build_spare(c)
+    assert sandbox.build.BUILD_SPARES._ready.get(key[:2]) or sandbox.build.BUILD_SPARES._pending.get(key[:2]), \
+        sandbox.build.BUILD_SPARES.last_error  # its replacement is started
+    sandbox.build.BUILD_SPARES.close()
 
 
 @pytest.mark.parametrize("spares", [0, 1])
@@ -374,8 +374,8 @@ def test_a_link_in_the_build_dir_is_a_compile_failure(cfg, spares):
     assert not v.correct and not v.compiled and "build dir refused" in (v.error or ""), v.to_dict()
     assert "internal error" not in v.error
     if spares:
-        import sandbox_build
-        sandbox_build.BUILD_SPARES.close()
+        import sandbox.build
+        sandbox.build.BUILD_SPARES.close()
 
 
 BIG_TASK = """import torch
@@ -399,13 +399,13 @@ def test_a_warm_driver_reads_its_first_message_under_the_jobs_limit(cfg):
     starts with): it must be read under the job's limit, not refused under the start-up one."""
     import time
     c = dataclasses.replace(cfg, warm_spares=1)
-    key, n, spawn = sandbox_reference.driver_spare(c, None)
-    sandbox_reference.DRIVER_SPARES.fill(key, n, spawn)
+    key, n, spawn = sandbox.reference.driver_spare(c, None)
+    sandbox.reference.DRIVER_SPARES.fill(key, n, spawn)
     t_end, ready = time.time() + 120, []
     while not (ready and ready[0][1].msgs) and time.time() < t_end:  # started, and its first message read:
         time.sleep(0.2)                                                # its reader now waits for the next frame
-        ready = sandbox_reference.DRIVER_SPARES._ready.get(key[:2]) or []
-    assert ready and ready[0][1].msgs, (sandbox_reference.DRIVER_SPARES.last_error,
+        ready = sandbox.reference.DRIVER_SPARES._ready.get(key[:2]) or []
+    assert ready and ready[0][1].msgs, (sandbox.reference.DRIVER_SPARES.last_error,
                                        ready and open(os.path.join(ready[0][1].jobdir, "stderr")).read()[-800:])
-    with sandbox_reference.driver(BIG_TASK, c, None) as d:
+    with sandbox.reference.driver(BIG_TASK, c, None) as d:
         assert tuple(d.state_dict["proj.weight"].shape) == (4200, 4096)

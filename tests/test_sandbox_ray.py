@@ -1,4 +1,4 @@
-"""sandbox_ray.py: the sandbox pool on a Ray cluster, on a local cluster of 2 nodes x 2 CPU lanes
+"""sandbox/ray.py: the sandbox pool on a Ray cluster, on a local cluster of 2 nodes x 2 CPU lanes
 (ray.cluster_utils.Cluster, cpu backend). The pool's verdicts equal the local pool's on the same candidates; a lane
 killed mid-check is replaced and its check retried, and a check lost twice is a SandboxError, never a -1; a small
 `synth` gives the local run's file byte for byte; a stage-4 step of the tiny preset runs through the real CLI; `check`,
@@ -31,8 +31,8 @@ import cuda_agent  # noqa: E402
 import kernelbench_eval  # noqa: E402
 import reward  # noqa: E402
 import sandbox  # noqa: E402
-import sandbox_child  # noqa: E402
-import sandbox_ray  # noqa: E402
+import sandbox.child  # noqa: E402
+import sandbox.ray  # noqa: E402
 import synth  # noqa: E402
 from sandbox import SandboxConfig, SandboxError  # noqa: E402
 
@@ -58,7 +58,7 @@ def cluster():
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
     c.add_node(num_cpus=2)
     c.wait_for_nodes()
-    sandbox_ray.connect(c.address)
+    sandbox.ray.connect(c.address)
     print(f"\n[ray] 2-node cluster up and connected in {time.time() - t0:.1f} s")
     yield c
     ray.shutdown()
@@ -71,9 +71,9 @@ def cfg(cluster, tmp_path_factory):
                          allow_imports="numpy,sys,threading,time", ray_address=cluster.address)
 
 
-def open_pool(cfg, **kw) -> sandbox_ray.RayPool:
+def open_pool(cfg, **kw) -> sandbox.ray.RayPool:
     t0 = time.time()
-    pool = sandbox_ray.RayPool(cfg, **kw)
+    pool = sandbox.ray.RayPool(cfg, **kw)
     print(f"[ray] {len(pool.lanes)} lanes started in {time.time() - t0:.1f} s")
     return pool
 
@@ -139,7 +139,7 @@ def _busy_lane(pool, not_pid=None, timeout=120):
 
 
 def _kill(slot) -> int:
-    root = ray.get(slot.actor.call.remote(sandbox_child.root))  # its job dirs (no atexit runs on SIGKILL)
+    root = ray.get(slot.actor.call.remote(sandbox.child.root))  # its job dirs (no atexit runs on SIGKILL)
     pid = slot.info["pid"]
     os.kill(pid, signal.SIGKILL)
     for d in (root, slot.info["tmp"]):
@@ -350,7 +350,7 @@ def test_an_address_without_a_cluster_is_one_line_at_once(tmp_path):
     assert time.time() - t0 < 120
 
 def test_without_the_flag_the_local_pool(cfg):
-    pool = sandbox_ray.make_pool(dataclasses.replace(cfg, ray_address=None))
+    pool = sandbox.ray.make_pool(dataclasses.replace(cfg, ray_address=None))
     try:
         assert isinstance(pool, sandbox.SandboxPool)
     finally:

@@ -1,5 +1,5 @@
-"""The static scan's rule profiles and its reachability (sandbox_rules.static_scan, live_regions): pure functions
-of source text, no child, no compiler. One property per test, each with an honest control.
+"""The static scan's rule profiles and its reachability (sandbox/harness/rules.py: static_scan, live_regions):
+pure functions of source text, no child, no compiler. One property per test, each with an honest control.
 
 Run: python -m pytest tests/test_sandbox_rules.py -q
 """
@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 import sandbox
-from sandbox_rules import RULES, live_regions, static_scan
+from sandbox.harness.rules import RULES, live_regions, static_scan
 
 # A KernelBench-style sample: load_inline C++ that allocates its output, and the task's own helpers copied along
 # (get_inputs with torch.randn is never called by the harness: it uses the task's).
@@ -187,10 +187,10 @@ def test_unknown_profile_stops_the_caller(tmp_path):
         static_scan("x = 1", (), "strict")
     cfg = dataclasses.replace(sandbox.SandboxConfig(), rules="strict")
     with pytest.raises(sandbox.SandboxError, match="--sandbox.rules 'strict'"):
-        sandbox._prepare("a", sample(), cfg, sandbox.Verdict(), contextlib.nullcontext, str(tmp_path))
+        sandbox.core._prepare("a", sample(), cfg, sandbox.Verdict(), contextlib.nullcontext, str(tmp_path))
     v, cfg = sandbox.Verdict(), sandbox.SandboxConfig(rules="kernelbench")  # refused by the scan, before any build
-    assert sandbox._prepare("a", sample(forward="x = torch.relu(x)"), cfg, v, contextlib.nullcontext, str(tmp_path)) \
-        is None
+    assert sandbox.core._prepare("a", sample(forward="x = torch.relu(x)"), cfg, v, contextlib.nullcontext,
+                                 str(tmp_path)) is None
     assert "torch.relu" in v.violation and v.timings["rules"] == "kernelbench"  # the verdict names its profile
 
 
@@ -203,13 +203,14 @@ def test_refusals_are_answered_on_the_host_before_any_child_starts(tmp_path, mon
     """A syntax error or a static-scan violation costs milliseconds: no compile, build, guard build or child."""
     import time
 
-    import sandbox_child
+    import sandbox.child
+    import sandbox.core
 
     def no_child(*a, **k):
         raise AssertionError("a child was started for a refusal the host can answer")
-    monkeypatch.setattr(sandbox_child.Child, "__init__", no_child)
-    monkeypatch.setattr(sandbox, "guard_library", no_child)
-    monkeypatch.setattr(sandbox, "bytecode_cache", no_child)
+    monkeypatch.setattr(sandbox.child.Child, "__init__", no_child)
+    monkeypatch.setattr(sandbox.core, "guard_library", no_child)
+    monkeypatch.setattr(sandbox.core, "bytecode_cache", no_child)
     task = "import torch\nclass Model(torch.nn.Module):\n    def forward(self, x):\n        return x\n" \
            "def get_inputs():\n    return [torch.randn(4)]\ndef get_init_inputs():\n    return []\n"
     cfg = sandbox.SandboxConfig(cache_dir=str(tmp_path / "cache"))

@@ -1,5 +1,5 @@
 """The reward-permuted control of stage 4 (--agent.permute-rewards, train.permuted_rewards) and the per-seed
-statistics of scripts/stage4_control_report.py.
+statistics of experiments/stage4_control_report.py.
 
 Run: python -m pytest -q tests/test_stage4_control.py
 """
@@ -71,7 +71,7 @@ def test_ppo_iteration_trains_on_permuted_rewards_in_stage_4_only(stage, flag, p
 
 def _report():
     spec = importlib.util.spec_from_file_location("stage4_control_report",
-                                                  os.path.join(ROOT, "scripts", "stage4_control_report.py"))
+                                                  os.path.join(ROOT, "experiments", "stage4_control_report.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -1,4 +1,4 @@
-"""synth.py, synth_ops.py, synth_filters.py, demos.py: catalogue, composer, each filter (a task built to fail it
+"""synth.py, synth_ops.py, synth_filters.py (with the demos): catalogue, composer, each filter (a task built to fail it
 vs its honest twin), reproducibility, resume, contamination on a KernelBench-format fixture, the shipped set,
 and the generated demo kernels.
 
@@ -14,7 +14,6 @@ import subprocess
 import pytest
 import torch
 
-import demos
 import reward
 import synth
 import synth_filters
@@ -332,9 +331,9 @@ def _demo_index():
 def test_demos_are_generated_for_pointwise_tasks_only(tmp_path):
     rows = [r for _, r in _demo_index()]
     assert rows, "the shipped set has pointwise tasks with demos"
-    files = demos.emit_demo(rows[0], "cuda")
+    files = synth_ops.emit_demo(rows[0], "cuda")
     assert "__global__" in files["kernels/fused_pointwise.cu"] and "from sandbox_worker import" in files["model_new.py"]
-    assert demos.emit_demo({"ops": ["nn.Conv2d"], "spec": [{"name": "nn.Conv2d", "kind": "module",
+    assert synth_ops.emit_demo({"ops": ["nn.Conv2d"], "spec": [{"name": "nn.Conv2d", "kind": "module",
                                                             "kwargs": {"in_channels": 3}}]}, "cpu") is None
 
 

@@ -1,6 +1,6 @@
 """Form (c): the CUDA Agent workspace as the paper released it (model_new.py importing `cuda_extension`,
 kernels/NAME.{cu,cpp} + kernels/NAME_binding.cpp, root binding.cpp + binding_registry.h), built as one torch
-extension (sandbox_extension.py) and checked like the other forms. Fixtures: tests/fixtures/cuda_agent/, an
+extension (sandbox/extension.py) and checked like the other forms. Fixtures: tests/fixtures/cuda_agent/, an
 axpby op in that layout, a .cpp variant for the cpu backend and a .cu variant for the GPU.
 
 The cpu tests share one workspace path and one cache, as an agent's workspace does across its checks: the
@@ -15,7 +15,7 @@ import time
 import pytest
 
 import sandbox
-import sandbox_extension
+import sandbox.extension
 import tools
 from cuda_agent import main
 from sandbox import SandboxConfig
@@ -67,14 +67,14 @@ def cli_check(ws, cfg, *extra) -> int:
 # ---------------------------------------------------------------------------------------------- the layout
 def test_the_layout_is_recognised_and_its_sources_follow_the_backend():
     relu_ws = os.path.join(os.path.dirname(FIX), "sandbox", "relu_ws")
-    assert sandbox_extension.is_extension_workspace(os.path.join(FIX, "axpby_cpu"))
-    assert sandbox_extension.is_extension_workspace(os.path.join(FIX, "axpby_cuda"))
-    assert not sandbox_extension.is_extension_workspace(relu_ws)  # form (b): ctypes kernels
+    assert sandbox.extension.is_extension_workspace(os.path.join(FIX, "axpby_cpu"))
+    assert sandbox.extension.is_extension_workspace(os.path.join(FIX, "axpby_cuda"))
+    assert not sandbox.extension.is_extension_workspace(relu_ws)  # form (b): ctypes kernels
     files = ["binding.cpp", "binding_registry.h", "model_new.py", "kernels/axpby.cu", "kernels/axpby_binding.cpp",
              "kernels/axpby_cpu.cpp", "kernels/impl/helper.cpp"]
-    assert sandbox_extension.extension_sources(files, "cuda") == [
+    assert sandbox.extension.extension_sources(files, "cuda") == [
         "binding.cpp", "kernels/axpby.cu", "kernels/axpby_binding.cpp", "kernels/axpby_cpu.cpp"]
-    assert sandbox_extension.extension_sources(files, "cpu") == [  # CPU-only torch cannot link .cu sources
+    assert sandbox.extension.extension_sources(files, "cpu") == [  # CPU-only torch cannot link .cu sources
         "binding.cpp", "kernels/axpby_binding.cpp", "kernels/axpby_cpu.cpp"]
 
 
@@ -138,14 +138,14 @@ def test_make_workspace_writes_the_layout_and_its_instructions(tmp_path):
         ws = tools.make_workspace(str(tmp_path / device), task, device, layout="cuda_extension")
         assert set(tools.snapshot(ws)) == {"model_new.py", "binding.cpp", "binding_registry.h",
                                            f"kernels/kernel.{ext}", "kernels/kernel_binding.cpp"}
-        assert sandbox_extension.is_extension_workspace(ws)
+        assert sandbox.extension.is_extension_workspace(ws)
         text = open(os.path.join(ws, "INSTRUCTIONS.md")).read()
         assert "cuda_extension" in text and "REGISTER_BINDING" in text and f"kernels/NAME.{ext}" in text
         assert "import cuda_extension" in open(os.path.join(ws, "model_new.py")).read()
         assert "kernel_forward" in open(os.path.join(ws, "kernels", "kernel_binding.cpp")).read()
     default = tools.make_workspace(str(tmp_path / "default"), task, "cpu")  # unchanged: form (b)
     assert set(tools.snapshot(default)) == {"model_new.py", "kernels/kernel.cpp"}
-    assert not sandbox_extension.is_extension_workspace(default)
+    assert not sandbox.extension.is_extension_workspace(default)
     with pytest.raises(AssertionError):
         tools.make_workspace(str(tmp_path / "x"), task, "cpu", layout="nope")
 

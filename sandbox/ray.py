@@ -11,7 +11,8 @@ A RayPool has the local pool's interface (`submit`, `compile`, `prewarm`, `close
   * the host reads the task and the candidate (a workspace through `workspace.copy_tree`'s checks: no link
     followed, reads capped) and ships the bytes; the lane writes them into a private temp dir and checks that
     copy, so nodes share no filesystem with the host. The lanes run a copy of this checkout's top-level
-    modules (Ray's `working_dir`), so every node needs only the same Python packages and system tools;
+    modules and sandbox package (Ray's `working_dir`), so every node needs only the same Python packages and
+    system tools;
   * routing: a check goes to the least busy lane (DEPTH in flight each at most, the rest wait on the host);
     among equally busy lanes, one that checked the same task before (its driver is still warm), then one on
     a node that did (the node's baseline cache, keyed as today); `Verdict.timings["lane"]` says which node and
@@ -52,11 +53,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import sandbox
 import workspace
-from sandbox import SandboxConfig, SandboxError, TaskError, Verdict
+from workspace import TaskError
 
-REPO = os.path.dirname(os.path.abspath(__file__))
+from . import core
+from .child import SandboxError
+from .config import SandboxConfig
+from .core import Verdict
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout
 DEPTH = 4             # checks in flight per lane: one timed, the next ones compiling (an nvcc compile outlasts a
 #                       GPU check's ~0.6 s of timing); more wait on the host for the least busy lane
 LANE_THREADS = 64     # calls a lane's actor serves at once (synth's chunks: --workers per lane)
@@ -89,14 +94,14 @@ def make_pool(cfg: SandboxConfig, gpus: list[int] | None = None, compile_workers
     """The sandbox pool a command opens: this machine's (`sandbox.SandboxPool`, unchanged) without
     --sandbox.ray-address, else the Ray cluster's lanes (`gpus` and `cpu_slots` are then the cluster's)."""
     if not cfg.ray_address:
-        return sandbox.SandboxPool(cfg, gpus=gpus, compile_workers=compile_workers, cpu_slots=cpu_slots)
+        return core.SandboxPool(cfg, gpus=gpus, compile_workers=compile_workers, cpu_slots=cpu_slots)
     return RayPool(cfg, compile_workers=compile_workers)
 
 
 def check(task: str, solution: str, cfg: SandboxConfig) -> Verdict:
     """`sandbox.check`, on one lane of the Ray cluster with --sandbox.ray-address."""
     if not cfg.ray_address:
-        return sandbox.check(task, solution, cfg)
+        return core.check(task, solution, cfg)
     pool = RayPool(cfg, max_lanes=1)
     try:
         return pool.submit(task, solution).result()
@@ -111,7 +116,7 @@ def check(task: str, solution: str, cfg: SandboxConfig) -> Verdict:
 def pack(solution: str) -> tuple:
     """("a", source) | ("b", {relative path: (bytes, mode)}) | ("refused", one line), read on the host the way
     `sandbox.check` reads it (`sandbox._solution`, then `workspace.copy_tree`: no link, capped, no .so)."""
-    form, sol = sandbox._solution(solution)
+    form, sol = core._solution(solution)
     if form != "b":
         return form, sol
     tmp = tempfile.mkdtemp(prefix="cuda_agent_pack_")
@@ -168,14 +173,14 @@ class Lane:
         gpus = [str(g) for g in ctx.get_accelerator_ids().get("GPU", [])]
         self.where = {"lane": index, "node": ray.util.get_node_ip_address(), "node_id": ctx.get_node_id()[:12],
                       "gpu": ",".join(gpus) or None}
-        self.pool = sandbox.SandboxPool(cfg, gpus=[0] if cfg.device == "cuda" else None, cpu_slots=1)
+        self.pool = core.SandboxPool(cfg, gpus=[0] if cfg.device == "cuda" else None, cpu_slots=1)
         self.tmp = tempfile.mkdtemp(prefix="cuda_agent_lane_")  # the candidates' copies, a dir each
         atexit.register(shutil.rmtree, self.tmp, True)
 
     def info(self) -> dict:
         import ray
         return {**self.where, "ray_node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
-                "omp_threads": os.environ.get("OMP_NUM_THREADS"), "isolation": sandbox.isolation(), "tmp": self.tmp}
+                "omp_threads": os.environ.get("OMP_NUM_THREADS"), "isolation": core.isolation(), "tmp": self.tmp}
 
     def check(self, src: str, packed: tuple, cfg: SandboxConfig):
         """The verdict (with `timings["lane"]`), or (exception name, message) for a TaskError / SandboxError."""
@@ -236,17 +241,19 @@ def _unreachable(address: str, timeout_s: float = 10.0) -> str | None:
 
 
 def connect(address: str):
-    """ray.init(address) for the lanes: a copy of this checkout's top-level modules and the guard's source is
-    the job's working_dir, which Ray ships to every node (runs/, data/ and tests/ stay here). RayPool calls it
-    when the process is not connected yet; a program that connects itself calls this, or gives its job a
-    working_dir from which `sandbox_ray` imports. SandboxError (one line) when no cluster answers there."""
+    """ray.init(address) for the lanes: a copy of this checkout's top-level modules and of the sandbox package
+    (the harness and the guard's source with it) is the job's working_dir, which Ray ships to every node (runs/,
+    data/ and tests/ stay here). RayPool calls it when the process is not connected yet; a program that connects
+    itself calls this, or gives its job a working_dir from which `sandbox.ray` imports. SandboxError (one line) when no cluster answers there."""
     ray = _ray()
     if why := _unreachable(address):
         raise SandboxError(f"--sandbox.ray-address {address}: no Ray cluster there ({why})")
     code = tempfile.mkdtemp(prefix="cuda_agent_lanes_")
     try:
-        for f in glob.glob(os.path.join(REPO, "*.py")) + glob.glob(os.path.join(REPO, "*.cpp")):
+        for f in glob.glob(os.path.join(REPO, "*.py")):
             shutil.copy(f, code)
+        shutil.copytree(os.path.join(REPO, "sandbox"), os.path.join(code, "sandbox"),
+                        ignore=shutil.ignore_patterns("__pycache__"))
         ray.init(address=address, runtime_env={"working_dir": code}, logging_level="ERROR", log_to_driver=False)
     except Exception as e:  # noqa: BLE001 - no cluster at that address (ray raises several kinds): one line
         raise SandboxError(f"--sandbox.ray-address {address}: no Ray cluster there ({_line(e)})") from None
@@ -397,7 +404,7 @@ class RayPool:
         """The agent's compile tool: on this machine's cores, as the local pool does."""
         def job():
             with self._compile_sem:
-                return sandbox.compile_workspace(ws, self.cfg)
+                return core.compile_workspace(ws, self.cfg)
         return self._cx.submit(job)
 
     def prewarm(self, tasks: list[str], workers: int, on_done=None) -> dict[str, str | None]:

@@ -1,7 +1,7 @@
 """The framed result channel between a sandbox child and the host (nonce-framed JSON heads with tensors as raw
 frames, and the control pipe's JSON lines), file descriptors over a unix socket, and the `Link` between a
 check's driver and the child that computes. A child sends with `Channel`; the host reads with `tensor_specs`
-and `decode` (sandbox_child._reader). Runs INSIDE a child too (bound beside sandbox_worker.py); imports
+and `decode` (sandbox.child._reader). Runs INSIDE a child too (bound beside sandbox_worker.py); imports
 nothing of the project.
 """
 from __future__ import annotations

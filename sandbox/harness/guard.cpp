@@ -18,7 +18,7 @@
 // native code that calls a kernel without the dispatcher (`at::native::...`) or clears the key itself; the
 // static scan refuses the names for that, and native code can in any case do anything in its process.
 //
-// Built by sandbox_build.guard_library against the running torch's headers; loaded by sandbox_worker through
+// Built by sandbox.build.guard_library against the running torch's headers; loaded by sandbox_worker through
 // ctypes before any candidate code, at HARNESS_DIR/sandbox_guard.so when the repository is hidden.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>

@@ -1,6 +1,6 @@
 """Isolation and the child runner of the sandbox: every compile, reference and candidate job is one child
 process started here, inside bubblewrap (or a weaker fallback), with wall-clock and memory limits, and read
-back through a nonce-framed result channel. sandbox.py decides what runs; this file decides how.
+back through a nonce-framed result channel. sandbox/core.py decides what runs; this file decides how.
 
 A child that never reports (the interpreter or the worker cannot start, a broken wrapper) raises
 SandboxError: the sandbox's failure, never a candidate's verdict.
@@ -28,14 +28,15 @@ import threading
 import time
 from dataclasses import dataclass
 
-import sandbox_wire
+from .harness import wire
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_worker.py")
-# the modules the worker imports: bound beside it when the repository is hidden
-HARNESS_FILES = tuple(os.path.join(os.path.dirname(WORKER), f"sandbox_{m}.py")
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness", "sandbox_worker.py")
+# the modules the worker imports (by flat name, from its own directory): bound beside it when the repository
+# is hidden
+HARNESS_FILES = tuple(os.path.join(os.path.dirname(WORKER), f"{m}.py")
                       for m in ("inline", "measure", "wire", "share", "driver", "rules"))
-GUARD: str | None = None  # the dispatch guard's .so, set by sandbox_build.guard_library; loaded by the worker
-PYCACHE: str | None = None  # the trusted bytecode cache, set by sandbox_build.bytecode_cache; read-only in children
+GUARD: str | None = None  # the dispatch guard's .so, set by sandbox.build.guard_library; loaded by the worker
+PYCACHE: str | None = None  # the trusted bytecode cache, set by sandbox.build.bytecode_cache; read-only in children
 
 
 class SandboxError(Exception):
@@ -96,7 +97,7 @@ PYCACHE_SEEN = os.path.join(HARNESS_DIR, "bytecode")  # where a bubblewrap child
 def guard_seen(level: str) -> str:
     """Where a worker child finds the dispatch guard (CUDA_AGENT_GUARD)."""
     return os.path.join(HARNESS_DIR, "sandbox_guard.so") if level == "bwrap" else GUARD or ""
-REPO = os.path.dirname(WORKER)
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(WORKER)))  # the repository: hidden from children
 _UNHIDEABLE = ("/", "/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/dev", "/proc", "/sys", "/run", "/tmp")
 
 
@@ -267,7 +268,7 @@ def phases(messages: list, started: float) -> dict:
 
 
 def _reader(fd: int, nonce: bytes, out: list, on_msg, state: dict, max_msgs: int = 100_000):
-    """Read nonce-framed messages (sandbox_wire.Channel) until EOF; a bad frame, a message over
+    """Read nonce-framed messages (wire.Channel) until EOF; a bad frame, a message over
     state["max_msg_bytes"] (head and tensors together) or too many messages mark the channel corrupt. Each message is
     handed to `on_msg` and then only its small fields are kept (tensors under "outs" are dropped), so the
     host holds at most one message's payload at a time. Tensors are read straight into their own storage."""
@@ -306,7 +307,7 @@ def _reader(fd: int, nonce: bytes, out: list, on_msg, state: dict, max_msgs: int
                 assert read_into(memoryview(body))
                 head = json.loads(body)
                 assert isinstance(head, dict) and "type" in head
-                specs = sandbox_wire.tensor_specs(head)
+                specs = wire.tensor_specs(head)
                 left = max_msg_bytes - n
                 tensors = []
                 for dt, shape in specs:
@@ -320,7 +321,7 @@ def _reader(fd: int, nonce: bytes, out: list, on_msg, state: dict, max_msgs: int
                     raw = torch.empty(m, dtype=torch.uint8)
                     assert read_into(memoryview(raw.numpy()))
                     tensors.append(raw.view(dtype).reshape(shape))
-                msg = sandbox_wire.decode(head, tensors)
+                msg = wire.decode(head, tensors)
             except Exception as e:  # noqa: BLE001 - anything but the plain format is refused
                 state["corrupt"] = f"unreadable result message ({type(e).__name__})"
                 return
@@ -400,7 +401,7 @@ class Child:
     """One sandboxed child process and its channel. `Child(...)` starts it; `run(job)` hands it its job and
     collects its messages until it exits (a ChildResult). With `job=None` at start the child is WARM: the
     worker imports torch, brings CUDA up and warms its checks, then waits on the control pipe for the job,
-    so a check does not pay the start-up (sandbox.py keeps spares per device). One job per child, always; a
+    so a check does not pay the start-up (sandbox/core.py keeps spares per device). One job per child, always; a
     long-lived job (a check's driver) is driven with `start`, `send` and `watch` instead of `run`.
 
     Besides the result pipe (child -> host) and the control pipe (host -> child), a worker holds one end of a
@@ -471,7 +472,7 @@ class Child:
     send = _send
 
     def send_fds(self, obj: dict, fds: list[int]):
-        """`obj` and the file descriptors `fds` to the child (it reads them with sandbox_wire.recv_fds)."""
+        """`obj` and the file descriptors `fds` to the child (it reads them with wire.recv_fds)."""
         socket.send_fds(self.fd_sock, [json.dumps(obj).encode()], fds)
 
     def recv_fds(self, timeout_s: float, max_fds: int = 16) -> tuple[dict, list[int]] | None:

@@ -1,4 +1,4 @@
-"""Host memory for KV caches that the rollout engine evicts (generate.Engine, `kv_budget_gib`).
+"""Host memory for KV caches that the rollout engine evicts (engine.Engine, `kv_budget_gib`).
 
 Offloaded caches live in a pool of fixed-size pinned blocks (`HostPool`, 64 MiB by default). Copies from
 pageable memory go through a driver bounce buffer (~1.3-1.9 GB/s on an H200 host); pinned ones run at PCIe
@@ -11,7 +11,7 @@ for the Qwen3-30B-A3B shape, so the contiguous copy of an arena row (or the stag
 small on the device.
 
 The pool only grows (to the most ever offloaded at once), and pinning is slow, ~1.3-2.6 GiB/s with
-cudaHostAlloc on an H200 host: a one-time cost per engine (generate.Engine.stats["kv_host_alloc_s"]);
+cudaHostAlloc on an H200 host: a one-time cost per engine (engine.Engine.stats["kv_host_alloc_s"]);
 PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True,pinned_num_register_threads:8 pins ~3x faster.
 Measured with scripts/bench_kv_host.py (docs/RESULTS.md).
 """

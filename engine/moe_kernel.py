@@ -60,7 +60,7 @@ ALIGN_BLOCK_S = 512       # routing pairs per loop step of `_align_kernel`
 @contextlib.contextmanager
 def live_tokens(live: torch.Tensor | None):
     """Inside the block, fused experts calls over live.shape[0] tokens skip the tokens where live is False (their
-    experts' output is 0). generate.Engine marks the padding and the finished rows that its static batches
+    experts' output is 0). engine.Engine marks the padding and the finished rows that its static batches
     carry: identical pad tokens all route to the same 8 experts, whose weights are then read once per BLOCK_M
     of them, and a finished row's token touches 8 experts of its own."""
     _LIVE[0] = live

@@ -1,8 +1,8 @@
 """Code that runs INSIDE an isolated sandbox child (`python sandbox_worker.py JOBFILE`).
 
-The host (`sandbox.py`) never imports candidate code; it starts this file in a fresh process per job,
-inside bubblewrap (see sandbox.py's threat model). The job kinds:
-  * `driver` (sandbox_driver.py): the trusted side of checks: the pristine task, the inputs of every call,
+The host (`sandbox/core.py`) never imports candidate code; it starts this file in a fresh process per job,
+inside bubblewrap (see sandbox/core.py's threat model). The job kinds:
+  * `driver` (driver.py): the trusted side of checks: the pristine task, the inputs of every call,
     the reference outputs, the clock and every comparison. It never runs candidate code.
   * `candidate` / `baseline` (`run_compute`): a child that only computes, for one driver pairing. It maps the
     driver's shared regions, and answers the driver's requests one at a time over their link: a call (forward
@@ -15,13 +15,15 @@ inside bubblewrap (see sandbox.py's threat model). The job kinds:
 Results go to the host as nonce-framed JSON messages (tensors as raw frames) on an inherited pipe fd, never
 stdout; the nonce arrives as the first control line, before any candidate code runs.
 
-It also exports the runtime helpers that a workspace's `model_new.py` uses (contract, form (b)):
+It also exports the runtime helpers that a workspace's `model_new.py` uses (contract, form (b)), which is why
+this file keeps the module name candidates import:
     from sandbox_worker import load_kernel, ptr, stream
 
-With the other harness files (sandbox_child.HARNESS_FILES: the driver, the shared memory, the channel, the
+With the other harness files (sandbox.child.HARNESS_FILES: the driver, the shared memory, the channel, the
 task's inputs, the comparison, form (a)'s load_inline) it is the only project code a child can see: the
-repository is hidden and these files alone are bound in at HARNESS_DIR, so none of them imports another module
-of the project.
+repository is hidden and these files alone are bound in at HARNESS_DIR, so they import only each other: by
+flat module name in a child, where this file runs as a script beside them; as modules of the package
+sandbox.harness on the host.
 
 Smoke: python -m pytest tests/test_sandbox.py -q -k honest
 """
@@ -38,12 +40,20 @@ import threading
 import time
 import traceback
 
-import sandbox_inline  # these are bound beside this file in the child (sandbox_child.HARNESS_FILES)
-from sandbox_measure import flatten, import_file, load_task, make_inputs, one_line, set_precision
-from sandbox_measure import bind_torch as bind_measure
-from sandbox_share import GpuOps, Region
-from sandbox_wire import Channel, Link, recv_fds
-from sandbox_wire import bind_torch as bind_wire
+if __package__:  # on the host: a module of the package sandbox.harness
+    from . import inline
+    from .measure import bind_torch as bind_measure
+    from .measure import flatten, import_file, load_task, make_inputs, one_line, set_precision
+    from .share import GpuOps, Region
+    from .wire import Channel, Link, recv_fds
+    from .wire import bind_torch as bind_wire
+else:  # in a child, run as a script: the other harness files are bound beside it (sandbox.child.HARNESS_FILES)
+    import inline
+    from measure import bind_torch as bind_measure
+    from measure import flatten, import_file, load_task, make_inputs, one_line, set_precision
+    from share import GpuOps, Region
+    from wire import Channel, Link, recv_fds
+    from wire import bind_torch as bind_wire
 
 # Bound before any candidate code is imported: a candidate that monkeypatches time.perf_counter or
 # torch.cuda.synchronize afterwards does not change what the harness measures with.
@@ -58,7 +68,7 @@ _GUARD: list = []  # the dispatch guard's context-manager class, once loaded (_g
 
 # aten ops a candidate's forward may call: allocation, views and metadata. Everything else is compute.
 # Constant fills are allocation (`torch::zeros` for an output that is accumulated into; the static scan's
-# profiles read them the same way, sandbox_rules.ALLOC): zeros/ones/full and their _like and new_ forms call
+# profiles read them the same way, rules.ALLOC): zeros/ones/full and their _like and new_ forms call
 # empty and fill_ / zero_ in turn.
 ALLOWED_OPS = frozenset("""
 empty empty_like empty_strided new_empty new_empty_strided empty_permuted
@@ -176,7 +186,7 @@ def _warm_compile(task, model, job: dict) -> dict:
 
 
 def _guard_cls():
-    """The dispatch guard (sandbox_guard.cpp, loaded from $CUDA_AGENT_GUARD with both allow-lists) as a context
+    """The dispatch guard (guard.cpp, loaded from $CUDA_AGENT_GUARD with both allow-lists) as a context
     manager class: `with Guard(INIT_OPS):` refuses and records every aten op outside the list on this thread;
     `guard.bad` holds the first refused op after the block. Its C functions are bound here, before any
     candidate code (made once per process), so nothing the candidate rebinds later changes what it calls."""
@@ -268,7 +278,7 @@ def _snapshot() -> tuple:
     """The harness modules' globals and their classes' attributes, to undo Python-level patches by the candidate.
     A convenience for honest code that patches by accident: nothing the verdict rests on is in this process."""
     classes = (Channel, Link, Region, GpuOps, _Shared)
-    mods = [sys.modules[c.__module__] for c in classes] + [sys.modules["sandbox_measure"]]
+    mods = [sys.modules[c.__module__] for c in classes] + [sys.modules["measure"]]
     return {m: dict(vars(m)) for m in dict.fromkeys(mods)}, {c: dict(vars(c)) for c in classes}
 
 
@@ -419,9 +429,9 @@ def _load(job: dict, task, guard_cls, snapshot, fns: dict) -> dict:
     """Import and construct the candidate (after the eager rounds: nothing of it existed while they ran)."""
     import torch
     if job.get("ext_dir"):  # form (a): load_inline imports what the build child built (a private copy)
-        sandbox_inline.install(job["ext_dir"])
+        inline.install(job["ext_dir"])
     if job.get("extension"):  # form (c): `import cuda_extension` loads the host's build of the workspace (a copy)
-        sandbox_inline.install_extension(job["extension"])
+        inline.install_extension(job["extension"])
     try:
         model = _load_candidate(job, task, guard_cls)
     except PermissionError as e:
@@ -443,7 +453,7 @@ def run_build(job: dict, ch: Channel):
     """Import the solution and construct ModelNew once, so that load_inline builds into the shared build dir.
     No input, seed or reference exists in this process; errors are left to the candidate run to report."""
     import torch
-    sandbox_inline.install(job["ext_dir"])
+    inline.install(job["ext_dir"])
     try:
         task = load_task(job["task_path"])
         sys.path.insert(0, job["cand_dir"])
@@ -457,11 +467,21 @@ def run_build(job: dict, ch: Channel):
     ch.send({"type": "result", "built": True})
 
 
+HARNESS = ("sandbox_worker", "inline", "measure", "wire", "share", "driver", "rules")  # their module names here
+
+
 def run_call(job: dict, ch: Channel):
     import importlib
     with open(job["args_path"], "rb") as f:
         args = pickle.load(f)  # written by the host: trusted data
     mod_name, fn_name = job["fn"].split(":")
+    # `fn` names a module of the repository (three levels above this file; a call child sees it), which may
+    # import the sandbox package: the harness files already running here serve as its sandbox.harness modules
+    # too, so no file runs twice in this process under two names
+    sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    if not __package__:
+        for name in (n for n in HARNESS if n in sys.modules):
+            sys.modules.setdefault(f"sandbox.harness.{name}", sys.modules[name])
     try:
         result = getattr(importlib.import_module(mod_name), fn_name)(**args)
     except BaseException as e:  # noqa: BLE001
@@ -488,7 +508,7 @@ def _warm_up(device: str, warm_for: str, ch: Channel):
         import torch._inductor.compile_fx  # noqa: F401
         ch.send({"type": "stage", "stage": "inductor"})
     elif warm_for == "driver":
-        import sandbox_driver  # noqa: F401 - imported before the job, like a reference spare's inductor
+        _driver()  # imported before the job, like a reference spare's inductor
         if device == "cuda":
             GpuOps()
     else:
@@ -501,6 +521,15 @@ def _warm_up(device: str, warm_for: str, ch: Channel):
     torch.randn(1 << 20).mul_(2).sum()  # torch's intra-op thread pool, started before any thread check
     _sync()
     ch.send({"type": "stage", "stage": "warm"})
+
+
+def _driver():
+    """The driver's module (sandbox/harness/driver.py), imported by a driver child only."""
+    if __package__:
+        from . import driver
+    else:
+        import driver
+    return driver
 
 
 def main(jobfile: str) -> int:
@@ -523,8 +552,7 @@ def main(jobfile: str) -> int:
     if job["kind"] == "warm":
         job = {**ch.recv_control()["job"], **{k: job[k] for k in ("result_fd", "control_fd", "fd_sock")}}
     if job["kind"] == "driver":
-        from sandbox_driver import run_driver
-        return _exit(run_driver(job, ch))
+        return _exit(_driver().run_driver(job, ch))
     if job["kind"] in ("candidate", "baseline"):
         job = {**job, "role": job["kind"]}
     run = {"reference": run_reference, "candidate": run_compute, "baseline": run_compute, "build": run_build,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Stage 4 against two controls, from one stage-3 checkpoint per seed (docs/RESULTS.md, 2026-12-02).
 #
-#   ROOT=/tmp/ctl SEEDS="0 1 2" scripts/stage4_control.sh && python scripts/stage4_control_report.py /tmp/ctl
+#   ROOT=/tmp/ctl SEEDS="0 1 2" experiments/stage4_control.sh && python experiments/stage4_control_report.py /tmp/ctl
 #
 # ARGS="--flag value ..." is added to every command (every arm and the run that prepares them).
 # ARMS="trained control permuted" (the default) picks the arms, run in that order.

@@ -1,4 +1,4 @@
-"""Stage 4 against its two controls (scripts/stage4_control.sh): "trained" (the defaults), "control" (a frozen
+"""Stage 4 against its two controls (experiments/stage4_control.sh): "trained" (the defaults), "control" (a frozen
 actor, --ppo.lr-actor 0) and "permuted" (--agent.permute-rewards: each step's rewards dealt out to other
 trajectories).
 
@@ -14,7 +14,7 @@ difference, its standard error over seeds, t with n - 1 degrees of freedom, and 
 p (under "no learning from the reward" each seed's difference is as likely negative as positive; n seeds
 cannot give a p below 2 / 2^n).
 
-  python scripts/stage4_control_report.py ROOT      (ROOT/sN/{base,trained,control,permuted}, N the seed)
+  python experiments/stage4_control_report.py ROOT      (ROOT/sN/{base,trained,control,permuted}, N the seed)
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Per task, how closely a run's actor has fitted its kept stage-2 trajectories (`train.reproduction`), beside
 the stage-4 probe's passes when the run got that far.
 
-    python scripts/rft_reproduction.py RUN_DIR [RUN_DIR ...]
+    python experiments/rft_reproduction.py RUN_DIR [RUN_DIR ...]
 
 RUN_DIR: a tiny-preset run directory (config.json, checkpoint.pt, stage2_trajectories_r0.jsonl). The actor is
 the checkpoint's: for a run stopped at the stage-4 header, or a frozen-actor control (--ppo.lr-actor 0), that is

@@ -2,7 +2,7 @@
 (`python sandbox_worker.py JOB`, job kind "driver"; bound beside the worker, imports nothing of the project).
 
 A driver holds one task: its reference model (strict fp32), and two shared regions, one for the inputs of a
-call and one for its outputs (sandbox_share.Region). It serves pairings one after another; each pairing is
+call and one for its outputs (share.Region). It serves pairings one after another; each pairing is
 one computing child (a candidate's, or a baseline's running eager and `torch.compile`), reached through a
 `Link` the host gave both, and held still by a `Freezer` whenever it is not asked for a call. Per call:
   1. draw the inputs from a fresh host-private seed, possibly beyond `get_inputs`' one distribution
@@ -36,10 +36,16 @@ import secrets
 import statistics
 import time
 
-from sandbox_measure import BASELINE_ROUNDS, flatten, load_task, make_inputs, nan_equal, one_line, set_precision
-from sandbox_rules import compare
-from sandbox_share import Freezer, GpuOps, Region, layout
-from sandbox_wire import Link, recv_fds, send_fds
+if __package__:  # on the host: a module of the package sandbox.harness
+    from .measure import BASELINE_ROUNDS, flatten, load_task, make_inputs, nan_equal, one_line, set_precision
+    from .rules import compare
+    from .share import Freezer, GpuOps, Region, layout
+    from .wire import Link, recv_fds, send_fds
+else:  # in a child: beside the other harness files (sandbox.child.HARNESS_FILES), imported by flat name
+    from measure import BASELINE_ROUNDS, flatten, load_task, make_inputs, nan_equal, one_line, set_precision
+    from rules import compare
+    from share import Freezer, GpuOps, Region, layout
+    from wire import Link, recv_fds, send_fds
 
 _perf = time.perf_counter
 VARIANTS = ("plain", "affine", "heavy")

@@ -43,11 +43,10 @@ from typing import Callable, Hashable, Protocol
 import torch
 from transformers.cache_utils import Cache
 
-import fused_ops
-import moe_kernel
-from kv_host import KV_HOST_BLOCK, HostKV, HostPool, offload, reload
-from ragged_attention import ATTN_NAME, Feed, RaggedLayer, begin_feed, end_forward, patch_attention
-from sampling import cache_kwarg, episode_generator, sample_rows
+from . import fused_ops, moe_kernel
+from .kv_host import KV_HOST_BLOCK, HostKV, HostPool, offload, reload
+from .ragged_attention import ATTN_NAME, Feed, RaggedLayer, begin_feed, end_forward, patch_attention
+from .sampling import cache_kwarg, episode_generator, sample_rows
 
 @dataclass
 class _Episode:

@@ -1,6 +1,6 @@
 """Warm sandbox children: pre-started workers (torch imported, CUDA up, the checks warmed) kept per device
-slot, each handed to exactly one job, and replaced in the background. sandbox.py keeps the candidate pool,
-sandbox_reference.py the reference pool.
+slot, each handed to exactly one job, and replaced in the background. sandbox/core.py keeps the candidate pool,
+sandbox/reference.py the reference pool.
 
 Smoke: python -m pytest tests/test_sandbox_integrity.py -q -k spare
 """
@@ -11,7 +11,7 @@ import concurrent.futures as cf
 import shutil
 import threading
 
-from sandbox_child import Child
+from .child import Child
 
 
 def warm_spares(cfg) -> int:
@@ -24,8 +24,8 @@ def warm_spares(cfg) -> int:
 
 class Spares:
     """Warm children (Child with no job yet), up to `n` per device slot: one pool for candidate children
-    (sandbox.py), one for reference children (sandbox_reference.py), one for load_inline build children
-    (sandbox_build.py). `take` hands one out and starts its
+    (sandbox/core.py), one for reference children (sandbox/reference.py), one for load_inline build children
+    (sandbox/build.py). `take` hands one out and starts its
     replacement in the background, so a check finds the child's start-up (interpreter, torch, CUDA, the
     checks' one-time costs) already done. Spares are keyed by what they hide and their limits: one started
     for another workspace's parent is killed, never reused."""

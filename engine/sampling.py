@@ -1,4 +1,4 @@
-"""Sampling for rollouts, shared by the engine (generate.Engine) and its plain reference: one uniform draw per
+"""Sampling for rollouts, shared by the engine (engine.Engine) and its plain reference: one uniform draw per
 token from the episode's own generator, the inverse CDF of the filtered distribution, log-probs at T=1.
 
 Smoke: python -m pytest -q tests/test_generate.py -k sample

@@ -3,17 +3,17 @@
 Every reward in training and every number in evaluation comes from `check()`. Three kinds of process take part,
 and only one of them ever runs candidate code:
   * the host (this file): compiles through children, reads the verdict; never imports candidate code;
-  * the driver (sandbox_driver.py, a child per task, kept across checks): the pristine task, the inputs of
+  * the driver (harness/driver.py, a child per task, kept across checks): the pristine task, the inputs of
     every call, the reference outputs, the clock and every comparison; it runs no candidate code;
   * the computing child (one per check, a warm spare or a fresh one): maps the driver's shared input and
     output regions and, when asked, runs forward on the inputs and copies the result into the output region.
     It is a candidate's, or a baseline's (eager and `torch.compile`, timed by the same driver path).
-Files: this one (what runs, the verdict), sandbox_child.py (isolation, the child and its channel),
-sandbox_spares.py (the warm children), sandbox_build.py (kernel compiles, load_inline builds, the dispatch
-guard's build), sandbox_extension.py (form (c)'s torch extension), sandbox_reference.py (the host's side of drivers and pairings, baselines), sandbox_rules.py
-(static scan, comparison, timing statistic); inside children: sandbox_driver.py, sandbox_share.py (shared
-regions, GPU flags, the L2 controls, the freezer), sandbox_worker.py (the jobs, the dispatch guard, the runtime
-helpers), sandbox_measure.py (inputs), sandbox_wire.py (the channels), sandbox_inline.py and sandbox_guard.cpp;
+Files (in sandbox/): this one (what runs, the verdict), config.py (`SandboxConfig`), child.py (isolation, the
+child and its channel), spares.py (the warm children), build.py (kernel compiles, load_inline builds, the dispatch
+guard's build), extension.py (form (c)'s torch extension), reference.py (the host's side of drivers and pairings,
+baselines); harness/rules.py (static scan, comparison, timing statistic); inside children (harness/):
+driver.py, share.py (shared regions, GPU flags, the L2 controls, the freezer), sandbox_worker.py (the jobs, the
+dispatch guard, the runtime helpers), measure.py (inputs), wire.py (the channels), inline.py and guard.cpp;
 workspace.py (reading untrusted files, validating task and solution files).
 
 Threat model. The candidate's process is the attacker's: Python or native code in it can rewrite any function,
@@ -53,10 +53,10 @@ COVERED:
     outputs; complex outputs as (real, imag) pairs; integer and bool outputs exactly; exact type, shape, dtype.
   * L2 persistence (an access-policy window with hitProp persisting keeps weights in L2 across a flush): reset
     before every timed call, baselines and candidates alike.
-  * No torch compute: (1) the dispatch guard (sandbox_guard.cpp: a C++ dispatcher fallback that sees every
+  * No torch compute: (1) the dispatch guard (sandbox/harness/guard.cpp: a C++ dispatcher fallback that sees every
     dispatched op, from Python or C++) on every forward, and on import and `__init__` with an init allow-list;
     (2) the profiler's aten list, re-checked on the host; (3) a static scan of the code reachable from ModelNew
-    (sandbox_rules.py; `rules` names the profile). The dynamic layers run in the candidate's process, so native
+    (sandbox/harness/rules.py; `rules` names the profile). The dynamic layers run in the candidate's process, so native
     code can switch them off; they are a rule of the task, not the integrity of the verdict.
   * Isolation per job: bwrap (`--unshare-all`: no network, own pid/ipc/uts namespaces; `/` read-only, private
     /tmp and /dev/shm, only the job's own dir writable). Compile and candidate children do not see the cache
@@ -99,9 +99,9 @@ Departures from the paper:
      per file to plain shared objects called through ctypes (no torch headers), so an edit rebuilds one kernel
      in ~1 s instead of `load_inline`'s ~47 s; (c) the paper's released workspace (model_new.py importing
      `cuda_extension`, kernels/*.cu + kernels/*_binding.cpp + binding.cpp), built as one torch extension with
-     the released flags, only changed sources recompiled (sandbox_extension.py). Form (a)'s `load_inline`
+     the released flags, only changed sources recompiled (sandbox/extension.py). Form (a)'s `load_inline`
      sources and form (c)'s build against a slim stand-in for <torch/extension.h> first
-     (sandbox_inline.SLIM_TORCH_H), against torch's own headers when that fails; the verdict is the same.
+     (sandbox.harness.inline.SLIM_TORCH_H), against torch's own headers when that fails; the verdict is the same.
   3. Reference outputs are always strict fp32; `precision` only affects the timed baselines/candidate.
   4. Every call is compared in full (the paper: 5 trials), and times are the driver's clock around one call
      (the released profiler script: the sum of kernel times over 10 iterations in the same process).
@@ -121,92 +121,24 @@ import shutil
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Literal
 
-import sandbox_worker
 import workspace
-from sandbox_build import (build_inline, bytecode_cache, copy_build, guard_library, trim_log)  # noqa: F401
-from sandbox_build import compile_workspace as compile_kernels
-from sandbox_extension import CPP_SUFFIXES, EXTENSION, build_extension, is_extension_workspace
-from sandbox_child import (HARNESS_DIR, Child, ChildResult, SandboxError, bwrap_argv, hidden,  # noqa: F401
-                           hidden_candidate, interruptible, isolation, last_line, new_jobdir, require_device,
-                           run_child, settle)
-from sandbox_reference import (DRIVER_SPARES, REF_SPARES, baseline_cache, baseline_entry, baseline_timing,  # noqa: F401
-                               baselines, device_name, driver, driver_spare, precision_of, prewarm, ref_spare,
-                               retime, run_reference, run_pairing, time_baselines, _request)
-from sandbox_rules import RULES, compare, cpp_scan, static_scan, timing  # noqa: F401
-from sandbox_spares import Spares, warm_spares  # noqa: F401
-from workspace import TaskError, WorkspaceError, looks_like_path, python_error, read_file, read_task  # noqa: F401
+from workspace import TaskError, WorkspaceError, looks_like_path, python_error, read_file, read_task
 
-
+from .build import build_inline, bytecode_cache, copy_build, guard_library, trim_log
+from .build import compile_workspace as compile_kernels
+from .child import (Child, ChildResult, SandboxError, hidden_candidate, isolation, last_line, new_jobdir,
+                    require_device, run_child, settle)
+from .config import SandboxConfig
+from .extension import CPP_SUFFIXES, EXTENSION, build_extension, is_extension_workspace
+from .harness import sandbox_worker
+from .harness.rules import RULES, cpp_scan, static_scan, timing
+from .reference import (DRIVER_SPARES, REF_SPARES, _request, baseline_cache, baseline_entry, baseline_timing,
+                        device_name, driver, driver_spare, precision_of, prewarm, ref_spare, retime, run_pairing,
+                        run_reference, time_baselines)
+from .spares import Spares, warm_spares
 
 _ALLOWED_OPS = sandbox_worker.ALLOWED_OPS  # the host's own copy: a candidate cannot widen it
-
-
-@dataclass
-class SandboxConfig:
-    device: str = "cpu"
-    """where candidates run: "cpu" | "cuda" """
-    atol: float = 1e-2
-    """absolute tolerance of torch.allclose (paper: 1e-2)"""
-    rtol: float = 1e-2
-    """relative tolerance of allclose, and bound on the relative L2 error ||y - y_ref|| / ||y_ref||"""
-    n_trials: int = 5
-    """correctness trials, fresh seeded inputs each (plain, scaled and shifted, and with outliers, in turn)"""
-    precision: str = "auto"
-    """"fp32" | "tf32" | "auto" (tf32 for baselines AND candidate iff rtol >= 1e-3; cpu: always fp32)"""
-    warmup: int = 5
-    """untimed warm-up iterations before timing"""
-    iters: int = 50
-    """timed iterations (median reported)"""
-    compile_timeout_s: float = 120
-    """wall-clock limit per kernel compile (+ 60 s for a load_inline build, form (a), or an extension build,
-    form (c))"""
-    run_timeout_s: float = 300
-    """wall-clock limit per child (and per call of a computing child)"""
-    mem_limit_mb: int = 8192
-    """host-memory limit per child: RSS of its process tree plus what its private /tmp and /dev/shm hold,
-    polled (cpu children also get RLIMIT_AS of this + 4 GB). It does not cover GPU memory: a candidate's child
-    may use 80% of its GPU (allocator fraction)"""
-    disk_limit_mb: int = 4096
-    """what a compile, build or candidate child may write into its job dir (polled; the child is stopped)"""
-    cache_dir: str = field(default_factory=lambda: os.environ.get("CUDA_AGENT_CACHE", "~/.cache/cuda_agent"))
-    """compile cache + baseline cache (default: $CUDA_AGENT_CACHE, else ~/.cache/cuda_agent)"""
-    profile: bool = True
-    """False -> stop after verify (no timing; reward uses correctness only)"""
-    seed: int = 0
-    """seed of the models' weights (the task's and the candidate's init); every call's input seed is drawn
-    by the driver from the OS's randomness, so no candidate can precompute"""
-    static_scan: bool = True
-    """the static layer of the no-torch rule (imports, calls, harness introspection); the tests switch it
-    off to prove that each dynamic layer catches its hack on its own"""
-    allow_imports: str = ""
-    """extra modules a candidate may import, comma-separated (default none: kernels must be its own; the
-    adversarial tests widen it to use numpy as a stand-in kernel and reach the dynamic layers)"""
-    rules: str = "cuda-agent"
-    """the static scan's rule profile: "cuda-agent" (the paper's: torch only allocates in forward) | "kernelbench"
-    (KernelBench's: no torch compute, unknown torch names left to the dynamic layers); sandbox_rules.py"""
-    max_kernels: int = 16
-    """kernel sources one workspace may hold (more is an error verdict, not a queue of compiles)"""
-    compile_budget_s: float = 300
-    """wall-clock budget shared by all compiles of one workspace (each is also capped by compile_timeout_s)"""
-    gpu_clock: Literal["queued", "go-first"] = "queued"
-    """GPU timed calls: "queued" (the child enqueues its work behind the go flag and is stopped; the driver's clock
-    holds GPU work only) or "go-first" (the clock runs from go while the child is continued: its wake-up and
-    launch path inside every time, ~0.7 ms on an H100)"""
-    eager_beside: bool = True
-    """time eager in each candidate's own child, under the same driver, just before the candidate is imported,
-    and compare the candidate with that (same process, same minute); False: with the eager baseline cached per
-    task. The compile baseline is always the cached one (compiling in every child would cost its compile)"""
-    warm_spares: int = -1
-    """pre-started candidate children kept per device (torch imported, CUDA up, checks warmed); each serves
-    one candidate and is replaced in the background. 0 = start a child per check; -1 = 12 on cuda, 0 on cpu
-    (a spare's start-up would share the cores with a check being timed). Form (a) runs in a new child"""
-    ray_address: str | None = None
-    """check on a Ray cluster (sandbox_ray.py; needs ray): "auto" (this node's `ray start`) or HOST:PORT, one lane
-    per GPU of every node; None: this machine's GPUs or CPU slots"""
-    ray_lane_cpus: int = 1
-    """with --sandbox.ray-address and device cpu: Ray CPUs each lane takes (a node offers its CPUs // this)"""
 
 
 @dataclass
@@ -259,8 +191,8 @@ FORMS = {"a": "one file (form a)", "b": "workspace, ctypes kernels (form b)",
 
 
 def compile_workspace(ws: str, cfg: SandboxConfig, workers: int | None = None) -> tuple[bool, str, dict[str, str]]:
-    """A workspace's build, (ok, log, {name: .so}): form (c) as one torch extension (sandbox_extension.py),
-    form (b) kernel by kernel (sandbox_build.compile_workspace)."""
+    """A workspace's build, (ok, log, {name: .so}): form (c) as one torch extension (sandbox/extension.py),
+    form (b) kernel by kernel (sandbox.build.compile_workspace)."""
     if is_extension_workspace(ws):
         return build_extension(ws, cfg)
     return compile_kernels(ws, cfg, workers)

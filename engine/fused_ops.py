@@ -43,7 +43,7 @@ from typing import NamedTuple
 
 import torch
 
-from moe_kernel import dot_precision
+from .moe_kernel import dot_precision
 
 try:
     import triton
@@ -432,7 +432,7 @@ FEED_ROWS = 64             # query rows (feed tokens x the query heads of one kv
 
 def feed_block(G: int) -> int:
     """Feed tokens per program of `feed_attention` for G query heads per kv head: each arena row's chunk of a
-    mixed step starts at a multiple of it (generate.Engine lays the feed slots out so)."""
+    mixed step starts at a multiple of it (engine.Engine lays the feed slots out so)."""
     return max(1, FEED_ROWS // G)
 
 
@@ -448,7 +448,7 @@ def feed_attention_applies(query: torch.Tensor, key: torch.Tensor) -> bool:
 
 def feed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows: torch.Tensor,
                    pos: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The feed tokens' attention in a mixed step (generate.Engine): token t attends columns [0, pos[t]] of
+    """The feed tokens' attention in a mixed step (engine.Engine): token t attends columns [0, pos[t]] of
     arena row rows[t]. query (Hq, P, D); key/value (R, Hkv, C, D) arena views; rows, pos (P,), P a multiple of
     feed_block(G), each block's tokens in one row (padding slots: that row, position 0) -> (P, Hq, D) (into
     out, like decode_attention's, when given)."""

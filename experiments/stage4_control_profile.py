@@ -4,8 +4,8 @@ rollouts as a whole (env.run_episodes), scoring (ppo.score) and the PPO update (
 JSON line `PROF {name: [seconds, calls], ..., "total": seconds}` at exit. Checks run on env's thread pool, so
 their seconds add up over threads (a queued check counts its wait for a sandbox slot); the rest is wall time.
 
-  python scripts/stage4_control_profile.py train --out DIR --resume      (e.g. a copy of ROOT/sN/base of
-                                                                           scripts/stage4_control.sh)
+  python experiments/stage4_control_profile.py train --out DIR --resume      (e.g. a copy of ROOT/sN/base of
+                                                                           experiments/stage4_control.sh)
 """
 import atexit
 import collections

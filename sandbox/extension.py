@@ -19,11 +19,11 @@ How it is built (host side, `build_extension`):
     sources (the header dependencies are ninja's), then links;
   * the child only compiles and links: it never imports the built module (`load()`'s import step is replaced),
     so no candidate code runs where a later build's objects live. The candidate's child imports a private copy
-    of the module (`sandbox_inline.install_extension`).
+    of the module (`sandbox.harness.inline.install_extension`).
 
 Departures from the paper:
   1. Like form (a)'s `load_inline`, sources are built against a slim stand-in for <torch/extension.h> and
-     <torch/types.h> first (sandbox_inline.SLIM_TORCH_H; -I dirs are searched before torch's -isystem ones;
+     <torch/types.h> first (sandbox.harness.inline.SLIM_TORCH_H; -I dirs are searched before torch's -isystem ones;
      ~3x faster to compile). When that fails, the sources that failed are compiled alone with torch's own
      headers (a real error is reported from there), then all of them, and that workspace keeps torch's
      headers from then on; the module is the same either way.
@@ -48,17 +48,15 @@ import shutil
 import sys
 import tempfile
 import time
-from typing import TYPE_CHECKING
 
-import sandbox_child
 import workspace
-from sandbox_build import _compiler_version, cuda_arch, trim_log
-from sandbox_child import SandboxError, hidden, new_jobdir, run_child
-from sandbox_inline import SLIM_TORCH_H
 from workspace import WorkspaceError
 
-if TYPE_CHECKING:
-    from sandbox import SandboxConfig
+from . import child
+from .build import _compiler_version, cuda_arch, trim_log
+from .child import SandboxError, hidden, new_jobdir, run_child
+from .config import SandboxConfig
+from .harness.inline import SLIM_TORCH_H
 
 EXTENSION = "cuda_extension"
 CFLAGS = ["-O3"]                          # the released compile.py's extra_cflags
@@ -188,14 +186,14 @@ def _first_error(log: str) -> str:
     the log names workspace files by their relative path, torch's headers by an absolute one)."""
     errs = [ln.strip() for ln in log.splitlines() if _ERROR.match(ln.strip())]
     own = [ln for ln in errs if not ln.startswith("/")]
-    return (own or errs or [sandbox_child.last_line(log) or f"{EXTENSION}: build failed"])[0][:300]
+    return (own or errs or [child.last_line(log) or f"{EXTENSION}: build failed"])[0][:300]
 
 
 def build_extension(ws: str, cfg: SandboxConfig) -> tuple[bool, str, dict[str, str]]:
     """Build form (c)'s `cuda_extension` from the workspace `ws`: (ok, log, {"cuda_extension": path of the .so}).
     A failure's log starts with one line naming the file and the error."""
     cache = os.path.join(os.path.expanduser(cfg.cache_dir), "cuda_ext")
-    tmp = tempfile.mkdtemp(dir=sandbox_child.root())  # host-private
+    tmp = tempfile.mkdtemp(dir=child.root())  # host-private
     try:
         try:
             copied = workspace.copy_tree(ws, tmp, ignore_suffixes=(".so", ".o", ".a", ".pyc"))
@@ -311,7 +309,7 @@ def _load_child(work: str, mode: str, srcs: list[str], ws: str, cfg: SandboxConf
         if os.path.exists(log_path):  # load() raised: the compilers' or the linker's errors
             log = workspace.read_text(log_path) + "\n" + log
         elif not built and not r.error:  # no build error, no module: the sandbox's own failure, not a verdict
-            raise SandboxError(f"the {EXTENSION} build child failed: {sandbox_child.last_line(log) or r.rc}")
+            raise SandboxError(f"the {EXTENSION} build child failed: {child.last_line(log) or r.rc}")
     finally:
         shutil.rmtree(jobdir, ignore_errors=True)
     log = log.replace(os.path.join(work, "src") + os.sep, "").replace(bdir + os.sep, "")

@@ -54,7 +54,10 @@ import re
 import statistics
 import tokenize
 
-import sandbox_measure
+if __package__:  # on the host: a module of the package sandbox.harness
+    from . import measure
+else:  # in a child: beside the other harness files (sandbox.child.HARNESS_FILES), imported by flat name
+    import measure
 
 # ----------------------------------------------------------------------------- static scan (layer 3)
 RULES = ("cuda-agent", "kernelbench")  # the profiles (module docstring)
@@ -128,13 +131,14 @@ INTROSPECTION = re.compile(
     r"\bcr_frame\b|\bag_frame\b|__traceback__|\bexc_info\b|__globals__|__closure__|__code__|__builtins__|"
     r"get_referrers|get_referents|get_objects|\bpythonapi\b|\bpy_object\b|\bPyDLL\b|\bpydll\b|from_address|"
     r"ctypes\.(?:string_at|wstring_at|memmove|memset|cast|addressof)\b|"
-    r"sandbox_worker\.(?!load_kernel|ptr|stream)\w+|\bsandbox_(?:measure|wire|inline)\b|\bsys\.modules|"
+    r"sandbox_worker\.(?!load_kernel|ptr|stream)\w+|\b(?:measure|wire|inline)\.\w|[\"'](?:measure|wire|inline)[\"']|"
+    r"\bsys\.modules|"
     r"\b__class__\.__subclasses__|"
     # the C++ guard's own names and the dispatcher's key-set controls that would step around it
     r"sandbox_guard|CUDA_AGENT_GUARD|DispatchKey|dispatch_key|_dispatch_tls|redispatch|TESTING_ONLY|"
     r"PythonDispatcher|python_dispatcher")
 HARNESS_NAMES = {"load_kernel", "ptr", "stream"}  # all that `from sandbox_worker import ...` may take
-EXTENSION_MODULE = "cuda_extension"  # form (c)'s one module, built from the workspace's C++ (sandbox_extension.py)
+EXTENSION_MODULE = "cuda_extension"  # form (c)'s one module, built from the workspace's C++ (sandbox/extension.py)
 
 
 # Modules a candidate may import. Kernels must be the candidate's own (compiled by the sandbox, or built
@@ -547,7 +551,7 @@ def timing(calls: list, end: dict, base: dict, v, cfg, retime):
     every round is compared in full, so a fast round is a correct one)."""
     timed = [c for c in calls if c.get("phase") == "time"][cfg.warmup:]
     ms = [c["ms"] for c in timed]
-    rounds, mean = sandbox_measure.round_medians(ms), statistics.fmean(ms)
+    rounds, mean = measure.round_medians(ms), statistics.fmean(ms)
     cand_ms = min(rounds)
     excess = [c.get("excess_ms") or 0.0 for c in timed]
     v.timings.update({"cand_cv": statistics.pstdev(ms) / mean if mean > 0 else 0.0, "n_iters": len(ms),

@@ -1,10 +1,10 @@
 """The sandbox's `torch.utils.cpp_extension.load_inline`, for KernelBench-form (form a) solutions. Runs INSIDE
 a sandbox child (bound beside sandbox_worker.py; like it, it imports nothing of the project).
 
-A build child (sandbox_build.build_inline: the solution imported, ModelNew constructed, no input in sight)
+A build child (sandbox.build.build_inline: the solution imported, ModelNew constructed, no input in sight)
 compiles each load_inline call against a slim stand-in for torch's headers first and records the module; a
 candidate child imports the recorded module from its private copy of the build dir, without a compiler.
-Form (c) (sandbox_extension.py, built on the host's side): `install_extension` makes `import cuda_extension`
+Form (c) (sandbox/extension.py, built on the host's side): `install_extension` makes `import cuda_extension`
 load the candidate child's private copy of the built module.
 
 Smoke: python -m pytest tests/test_kernelbench_eval_e2e.py -q -k load_inline

@@ -1,4 +1,4 @@
-"""The rollout engine's attention over its ragged KV arena (generate.Engine): the cache layer that writes each
+"""The rollout engine's attention over its ragged KV arena (engine.Engine): the cache layer that writes each
 row's new keys at its own columns, and the attention function registered with transformers for the engine's
 calls only.
 
@@ -24,7 +24,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, StaticLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-import fused_ops
+from . import fused_ops
 
 ATTN_NAME = "cuda_agent_ragged"
 
@@ -43,7 +43,7 @@ _PER_FORWARD: dict = {}   # the forward's mask and what _per_forward made from i
 
 
 class Feed(NamedTuple):
-    """A mixed step's layout (generate.Engine): one flat batch of n_decode pending tokens, one per arena row, then
+    """A mixed step's layout (engine.Engine): one flat batch of n_decode pending tokens, one per arena row, then
     feed tokens of rows being prefilled, in blocks of `block` tokens of one row each."""
     n_decode: int              # B
     rows: torch.Tensor         # (P,) arena row of each feed token

@@ -1,4 +1,4 @@
-"""The trusted side of a check, on the host: a check's driver (sandbox_driver.py, in its own child) and the
+"""The trusted side of a check, on the host: a check's driver (sandbox/harness/driver.py, in its own child) and the
 pairings it runs with a computing child, the eager / `torch.compile` baselines (timed by a driver in a
 baseline child, exactly as candidates are: cached, re-timed, prewarmed) and the validation of a task.
 Nothing here runs candidate code.
@@ -23,15 +23,13 @@ import shutil
 import socket
 import subprocess
 import threading
-from typing import TYPE_CHECKING
 
-from sandbox_child import (Child, ChildResult, SandboxError, isolation, last_line, new_jobdir, run_child, settle,
-                           visible_devices)
-from sandbox_spares import Spares, warm_spares
 from workspace import TaskError, read_task
 
-if TYPE_CHECKING:
-    from sandbox import SandboxConfig
+from .child import (Child, ChildResult, SandboxError, isolation, last_line, new_jobdir, run_child, settle,
+                           visible_devices)
+from .config import SandboxConfig
+from .spares import Spares, warm_spares
 
 
 def precision_of(cfg: SandboxConfig) -> str:

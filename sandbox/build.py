@@ -1,8 +1,8 @@
 """Builds for the sandbox: form (b) kernels compiled per file to plain shared objects (nvcc / g++, no torch
 headers; cached by every file the compiler sees), form (a) `load_inline` sources built once by an isolated
 child that sees no input (candidates run from a private copy), and the harness's own dispatch guard
-(sandbox_guard.cpp, once per torch version) and the bytecode cache of what children import. Form (c), the
-paper's released workspace built as one torch extension, is sandbox_extension.py's (which uses `cuda_arch` and
+(sandbox/harness/guard.cpp, once per torch version) and the bytecode cache of what children import. Form (c), the
+paper's released workspace built as one torch extension, is sandbox/extension.py's (which uses `cuda_arch` and
 `trim_log` from here); `sandbox.compile_workspace` picks between the two for a workspace.
 
 Smoke: python -m pytest tests/test_sandbox.py -q -k "compile or cache or inline"
@@ -20,16 +20,14 @@ import shutil
 import subprocess
 import threading
 import time
-from typing import TYPE_CHECKING
 
-import sandbox_child
 import workspace
-from sandbox_child import Child, SandboxError, hidden, isolation, new_jobdir, run_child
-from sandbox_spares import Spares, warm_spares
 from workspace import WorkspaceError
 
-if TYPE_CHECKING:
-    from sandbox import SandboxConfig
+from . import child
+from .child import Child, SandboxError, hidden, isolation, new_jobdir, run_child
+from .config import SandboxConfig
+from .spares import Spares, warm_spares
 
 
 # ----------------------------------------------------------------------------- compile (form b)
@@ -150,7 +148,7 @@ def build_inline(cand: str, wdir: str, cfg: SandboxConfig) -> tuple[str, str | N
     """(build dir of this source: cache_dir/torch_ext/<sha>, the compile error or None), built if needed.
 
     The build child imports the solution and constructs ModelNew with only the build dir writable and no
-    input, seed or reference in reach; its load_inline is `sandbox_inline`'s (a slim
+    input, seed or reference in reach; its load_inline is `sandbox.harness.inline`'s (a slim
     torch header first, torch's own if that fails). Candidate children get a private copy of the dir, so
     nothing a checked run writes there survives into another check (no stash of answers across checks)."""
     with open(cand) as f:
@@ -235,18 +233,18 @@ def copy_build(src: str, dst: str):
 
 
 # ----------------------------------------------------------------------------- the dispatch guard
-GUARD_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_guard.cpp")
+GUARD_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness", "guard.cpp")
 _GUARD_LOCK = threading.Lock()
 
 
 def guard_library(cfg: SandboxConfig) -> str:
-    """sandbox_guard.cpp built against the running torch (cache_dir/guard/<sha>/sandbox_guard.so: ~10 s once per
-    torch, compiler and source) and handed to sandbox_child, which binds it into every worker child. Trusted
+    """sandbox/harness/guard.cpp built against the running torch (cache_dir/guard/<sha>/sandbox_guard.so: ~10 s once per
+    torch, compiler and source) and handed to sandbox/child.py, which binds it into every worker child. Trusted
     source, so it compiles here, not in a sandbox. Raises SandboxError if it cannot: no candidate runs unguarded."""
     import torch
     with _GUARD_LOCK:
-        if sandbox_child.GUARD and os.path.exists(sandbox_child.GUARD):
-            return sandbox_child.GUARD
+        if child.GUARD and os.path.exists(child.GUARD):
+            return child.GUARD
         tdir = os.path.dirname(os.path.abspath(torch.__file__))
         lib = os.path.join(tdir, "lib")
         cxx = os.environ.get("CXX", "g++")
@@ -268,9 +266,9 @@ def guard_library(cfg: SandboxConfig) -> str:
                     break
             if r.returncode != 0:
                 raise SandboxError(f"cannot build the dispatch guard: {cxx} failed: "
-                                   f"{sandbox_child.last_line(trim_log(r.stderr, False))}")
+                                   f"{child.last_line(trim_log(r.stderr, False))}")
             os.replace(tmp, so)  # atomic: processes building at once leave one file
-        sandbox_child.GUARD = so
+        child.GUARD = so
         return so
 
 
@@ -295,7 +293,7 @@ def ships_bytecode() -> bool:
 
 def bytecode_cache(cfg: SandboxConfig) -> str | None:
     """A bytecode cache for what every child imports (cache_dir/bytecode/<key>, ~70 MB), filled once per
-    Python and torch by a trusted process here and handed to sandbox_child, which binds it read-only into
+    Python and torch by a trusted process here and handed to sandbox/child.py, which binds it read-only into
     bubblewrap children as their PYTHONPYCACHEPREFIX. Children run on a read-only `/` without writing
     bytecode, so where site-packages ship no .pyc every child compiled torch's sources again: importing
     inductor took ~10 s of a reference child's start on an H200 host (docs/RESULTS.md). None (children
@@ -307,8 +305,8 @@ def bytecode_cache(cfg: SandboxConfig) -> str | None:
     if isolation() != "bwrap" or ships_bytecode():
         return None
     with _BYTECODE_LOCK:
-        if sandbox_child.PYCACHE and os.path.isdir(sandbox_child.PYCACHE):
-            return sandbox_child.PYCACHE
+        if child.PYCACHE and os.path.isdir(child.PYCACHE):
+            return child.PYCACHE
         key = hashlib.sha256(f"{sys.version}|{sys.executable}|{torch.__version__}|{torch.__file__}|"
                              f"{BYTECODE_IMPORTS}".encode()).hexdigest()[:16]
         final = os.path.join(os.path.expanduser(cfg.cache_dir), "bytecode", key)
@@ -327,5 +325,5 @@ def bytecode_cache(cfg: SandboxConfig) -> str | None:
                 shutil.rmtree(tmp, ignore_errors=True)
                 if not os.path.isdir(final):
                     return None
-        sandbox_child.PYCACHE = final
+        child.PYCACHE = final
         return final
