@@ -225,8 +225,9 @@ def cmd_check(argv: list[str]) -> int:
 
 
 def cmd_solve(argv: list[str]) -> int:
-    return solve(tyro.cli(SolveConfig, args=argv, prog="cuda_agent.py solve",
-                          description="Run one agent episode on one task and save the best solution."))
+    return solve(tyro.cli(SolveConfig, args=argv, prog="cuda_agent.py solve",  # its work_dir is OUT/workspaces
+                          description="Run one agent episode on one task and save the best solution.",
+                          registry=train_config.cli_registry({env.EnvConfig: ("work_dir",)})))
 
 
 def cmd_synth(argv: list[str]) -> int:

@@ -647,7 +647,10 @@ def _run(cfg: EvalConfig, problems: list[Task], res_path: str) -> int:
 
 if __name__ == "__main__":
     import tyro   # the command line only: library users of this module do not need it
-    cfg = tyro.cli(EvalConfig, description="KernelBench evaluation: paper Table 1 metrics + fast_p. "
+
+    import train_config
+    hidden = {env.EnvConfig: ("work_dir", "final_check")}  # set by the run: OUT/workspaces, --sandbox.profile
+    cfg = tyro.cli(EvalConfig, registry=train_config.cli_registry(hidden), description="KernelBench evaluation: paper Table 1 metrics + fast_p. "
                    "Problems from --kernelbench-dir, --hf-dataset, $KERNELBENCH_DIR or ./KernelBench. "
                    "Exit codes: 0 the run finished (whatever the pass rate), 2 bad arguments or an "
                    "infrastructure error, 130 interrupted (Ctrl-C; the results so far are kept and resumed).")

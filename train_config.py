@@ -217,13 +217,14 @@ PRESETS = {
 SET_BY_THE_RUN = {env.EnvConfig: ("single_turn", "work_dir", "final_check"), sandbox.SandboxConfig: ("seed",)}
 
 
-def cli_registry() -> ConstructorRegistry:
-    """tyro's constructors for `train`: dataclasses as usual, the fields in SET_BY_THE_RUN hidden."""
-    registry = ConstructorRegistry()
+def cli_registry(hidden: dict | None = None) -> ConstructorRegistry:
+    """tyro's constructors for a command: dataclasses as usual, the fields in `hidden` ({config class: names};
+    train's SET_BY_THE_RUN by default) left out of its flags, because the command sets them itself."""
+    registry, hidden = ConstructorRegistry(), SET_BY_THE_RUN if hidden is None else hidden
 
     @registry.struct_rule
     def hide_set_by_the_run(info: StructTypeInfo) -> StructConstructorSpec | None:
-        names = SET_BY_THE_RUN.get(info.type)
+        names = hidden.get(info.type)
         spec = dataclass_rule(info) if names else None
         if spec is None:
             return None

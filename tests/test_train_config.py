@@ -129,3 +129,10 @@ def test_help_hides_what_the_run_sets(capsys):
     # the hidden fields keep the preset's values
     cfg = train_config.parse(["--seed", "3"], preset="paper")
     assert (cfg.env.work_dir, cfg.env.final_check, cfg.sandbox.seed, cfg.seed) == ("runs/workspaces", True, 0, 3)
+
+
+def test_solve_hides_the_work_dir_it_sets(capsys):
+    with pytest.raises(SystemExit):
+        cuda_agent.main(["solve", "--help"])
+    out = capsys.readouterr().out
+    assert "--env.work-dir" not in out and "--env.max-turns" in out and "--env.final-check" in out
