@@ -697,6 +697,12 @@ def all_reduce_grads(params: list[torch.nn.Parameter]) -> None:
         off += n
 
 
+def _note_offload(stats: dict, off: dict, on: bool) -> None:
+    """One forward's offloaded GiB (offload_activations' byte count, reset) into the update's stats."""
+    if on:
+        stats.setdefault("offload_GiB", []).append(off.pop("offload_bytes", 0) / 2 ** 30)
+
+
 def ppo_update(model, head, opt: dict, cfg: PPOConfig, temperature: float, b_ids, b_attn, b_mask, b_logp,
                b_values, b_adv, b_returns, b_ref_logp=None, n_global: int | None = None, train_actor: bool = True,
                train_critic: bool = True, b_tis=None) -> dict:
@@ -749,16 +755,14 @@ def ppo_update(model, head, opt: dict, cfg: PPOConfig, temperature: float, b_ids
                     for k, v in (("pg_loss", pg.item() * scale), ("clipfrac", st["clipfrac"]),
                                  ("approx_kl", st["approx_kl"]), ("entropy", ent_mean.item() * scale)):
                         stats.setdefault(k, []).append(v)
-                    if cfg.offload_activations:
-                        stats.setdefault("offload_GiB", []).append(off.pop("offload_bytes", 0) / 2 ** 30)
+                    _note_offload(stats, off, cfg.offload_activations)
                 if train_critic:
                     with offload_activations(cfg.offload_activations, off):
                         v = critic_values(model, head, ids, attn)                                      # (b, T)
                     vl, _ = value_loss(v, b_returns[rows, :T], mask, b_values[rows, :T], cfg.vf_clip, num_traj=n_traj)
                     vl.backward()
                     stats.setdefault("v_loss", []).append(vl.item() * scale)
-                    if cfg.offload_activations:
-                        stats.setdefault("offload_GiB", []).append(off.pop("offload_bytes", 0) / 2 ** 30)
+                    _note_offload(stats, off, cfg.offload_activations)
             for name, ps, on in (("actor", actor_ps, train_actor), ("critic", critic_ps, train_critic)):
                 if on:
                     all_reduce_grads(ps)

@@ -253,8 +253,8 @@ def child_main(spec: dict) -> dict:
 
 
 def run_child(spec: dict, timeout_s: float, env: dict | None = None, python: str = sys.executable) -> dict:
-    """Run child_main(spec) in a new process session with a timeout (the whole group is killed on timeout);
-    returns its result dict, or {"error": "timeout ..." | "crash ..."} for a process that gave none."""
+    """Run child_main(spec) as the leader of its own process group (setsid) with a timeout (the whole group
+    is killed on timeout); returns its result dict, or {"error": "timeout ..." | "crash ..."} for a process that gave none."""
     with tempfile.TemporaryDirectory(prefix="kb_agree_") as d:
         spec_path, res_path = os.path.join(d, "spec.json"), os.path.join(d, "result.json")
         with open(spec_path, "w") as f:
