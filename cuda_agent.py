@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pathlib
 import sys
 import textwrap
 from dataclasses import dataclass, field
@@ -111,7 +112,9 @@ def check(cfg: CheckConfig) -> int:
     spares = cfg.sandbox.warm_spares if cfg.sandbox.warm_spares >= 0 else 0
     sb = dataclasses.replace(cfg.sandbox, device=env.resolve_device(cfg.sandbox.device), warm_spares=spares)
     try:
-        verdict = sandbox.ray.check(cfg.task, cfg.solution, sb).to_dict()  # --sandbox.ray-address: on a lane there
+        # both arguments name an existing file or directory (checked above): locations, never source text;
+        # with --sandbox.ray-address the check runs on a lane there
+        verdict = sandbox.ray.check(pathlib.Path(cfg.task), pathlib.Path(cfg.solution), sb).to_dict()
     except sandbox.TaskError as e:  # a bad task, or the reference itself failed on this device
         raise sandbox.TaskError(f"bad task {cfg.task}: {e}") from None
     verdict["reward"] = reward.reward_from_verdict(verdict, cfg.reward)
@@ -166,7 +169,7 @@ def solve(cfg: SolveConfig) -> int:
         raise env.UsageError(why)
     sb = dataclasses.replace(cfg.sandbox, seed=cfg.seed, device=env.resolve_device(cfg.sandbox.device))
     try:
-        sandbox.load_task(cfg.task)
+        sandbox.load_task(pathlib.Path(cfg.task))
         task = tasks.task_from_file(cfg.task)
     except (sandbox.TaskError, OSError) as e:
         raise sandbox.TaskError(f"bad task {cfg.task}: {e}") from None

@@ -36,6 +36,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import pathlib
 import re
 import shutil
 import time
@@ -316,7 +317,8 @@ class Episode:
         if key is not None and ((key, True) in self.cache or (key, profile) in self.cache):
             return self.cache.get((key, True)) or self.cache[(key, profile)]
         cfg = dataclasses.replace(self.sb, profile=profile)
-        v = self.pool.submit(self.src, self.ws, cfg).result().to_dict()   # pristine task source, never ws/model.py
+        # the pristine task source (str), never ws/model.py; the workspace as a location (Path)
+        v = self.pool.submit(self.src, pathlib.Path(self.ws), cfg).result().to_dict()
         if key is not None:
             self.cache[(key, profile)] = v
         r = reward.reward_from_verdict(v, self.cfg.reward)

@@ -35,6 +35,7 @@ import dataclasses
 import json
 import math
 import os
+import pathlib
 import sys
 import time
 from dataclasses import dataclass, field
@@ -476,7 +477,7 @@ def run_samples(todo: list[Task], pool, cfg: EvalConfig, scfg, emit) -> None:
         slots[(p.level, p.problem_id)] = [None] * len(samples)
         for i, (_, path) in enumerate(samples):
             try:
-                futs[pool.submit(p.code, path, scfg)] = (p, i, samples)
+                futs[pool.submit(p.code, pathlib.Path(path), scfg)] = (p, i, samples)
             except Exception as e:  # noqa: BLE001
                 f = cf.Future()
                 f.set_exception(e)
@@ -516,7 +517,7 @@ def _best_of_trajectory(p: Task, t, pool, cfg: EvalConfig, scfg) -> dict:
     ws = tools.restore_best(os.path.join(cfg.out, "best", f"level_{p.level}_problem_{p.problem_id}"), p.code,
                             cfg.sandbox.device, t.best_files, layout=cfg.env.workspace)
     if cfg.sandbox.profile and passed(v) and v.get("candidate_ms") is None:
-        v = pool.submit(p.code, ws, scfg).result().to_dict()
+        v = pool.submit(p.code, pathlib.Path(ws), scfg).result().to_dict()
     return v
 
 

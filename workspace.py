@@ -239,10 +239,6 @@ class TaskError(Exception):
     """A malformed task; str(e) is one clear line (the sandbox raises it; it is never a candidate's verdict)."""
 
 
-def looks_like_path(s: str) -> bool:
-    return "\n" not in s and (s.endswith((".py", ".txt")) or os.sep in s or os.path.lexists(s))
-
-
 def read_file(path: str, what: str, err) -> str:
     """A file the user named: a regular file of UTF-8 text, read capped (links to one are fine)."""
     if os.path.isdir(path):
@@ -282,15 +278,16 @@ def python_error(source: str, name: str, needs: tuple[str, ...]) -> str | None:
     return f"{name} defines no {', '.join(missing)}" if missing else None
 
 
-def read_task(src_or_path: str) -> str:
-    """The task's source: `src_or_path` itself, or the file it names; checked on the host (parses, defines
-    Model, get_inputs and get_init_inputs). Raises TaskError with one line naming the file."""
-    name = "task"
-    if looks_like_path(src_or_path):
-        if not os.path.lexists(src_or_path):
-            raise TaskError(f"task file not found: {src_or_path}")
-        name, src_or_path = src_or_path, read_file(src_or_path, "task", TaskError)
-    err = python_error(src_or_path, name, ("Model", "get_inputs", "get_init_inputs"))
+def read_task(task: str | os.PathLike) -> str:
+    """The task's source: a str is the source itself, a path (os.PathLike) the .py file to read; checked on the
+    host (parses, defines Model, get_inputs and get_init_inputs). Raises TaskError with one line naming the file."""
+    name, src = "task", task
+    if not isinstance(task, str):
+        name = os.fspath(task)
+        if not os.path.lexists(name):
+            raise TaskError(f"task file not found: {name}")
+        src = read_file(name, "task", TaskError)
+    err = python_error(src, name, ("Model", "get_inputs", "get_init_inputs"))
     if err:
         raise TaskError(err)
-    return src_or_path
+    return src

@@ -123,7 +123,7 @@ import time
 from dataclasses import dataclass, field
 
 import workspace
-from workspace import TaskError, WorkspaceError, looks_like_path, python_error, read_file, read_task
+from workspace import TaskError, WorkspaceError, python_error, read_file, read_task
 
 from .build import build_inline, bytecode_cache, copy_build, guard_library, trim_log
 from .build import compile_workspace as compile_kernels
@@ -167,11 +167,11 @@ class Verdict:
 _TASK_OK: set[str] = set()
 
 
-def load_task(src_or_path: str, device: str = "cpu", timeout_s: float = 300) -> str:
-    """Validate a task in an isolated child (import, names, tensor inputs, one forward on `device`);
-    returns its source; raises TaskError("one line")."""
+def load_task(task: str | os.PathLike, device: str = "cpu", timeout_s: float = 300) -> str:
+    """Validate a task (str: its source; a path: its .py file) in an isolated child (import, names, tensor
+    inputs, one forward on `device`); returns its source; raises TaskError("one line")."""
     require_device(device)
-    src = read_task(src_or_path)
+    src = read_task(task)
     h = hashlib.sha256(f"{device}|{src}".encode()).hexdigest()
     if h not in _TASK_OK:
         run_reference(src, SandboxConfig(device=device, run_timeout_s=timeout_s))
@@ -180,9 +180,11 @@ def load_task(src_or_path: str, device: str = "cpu", timeout_s: float = 300) -> 
 
 
 # ----------------------------------------------------------------------------- check
-def check(task: str, solution: str, cfg: SandboxConfig, gpu: int | None = None) -> Verdict:
-    """Compile, verify and profile `solution` against `task`. Never raises for candidate problems;
-    raises TaskError for a malformed task. `gpu` pins the child to one GPU (the pool sets it)."""
+def check(task: str | os.PathLike, solution: str | os.PathLike, cfg: SandboxConfig,
+          gpu: int | None = None) -> Verdict:
+    """Compile, verify and profile `solution` against `task`. A str is source text; a path (os.PathLike) is a
+    location: the task's .py file, the solution's .py file or workspace directory. Never raises for candidate
+    problems; raises TaskError for a malformed task. `gpu` pins the child to one GPU (the pool sets it)."""
     return _check(task, solution, cfg, contextlib.nullcontext, lambda: contextlib.nullcontext(gpu))
 
 
@@ -198,17 +200,19 @@ def compile_workspace(ws: str, cfg: SandboxConfig, workers: int | None = None) -
     return compile_kernels(ws, cfg, workers)
 
 
-def _solution(solution: str) -> tuple[str, str]:
-    """("b", workspace: form (b) or (c)) | ("a", source) | ("refused", one line: a missing path, a directory that
-    is not a workspace, a file that is not a regular file of UTF-8 text or is larger than workspace.FILE_CAP)."""
-    if not looks_like_path(solution):
+def _solution(solution: str | os.PathLike) -> tuple[str, str]:
+    """A str is form (a)'s source: ("a", source). A path: ("b", workspace dir: form (b) or (c)) | ("a", the
+    file's source) | ("refused", one line: a missing path, a file that is not a regular file of UTF-8 text or
+    is larger than workspace.FILE_CAP)."""
+    if isinstance(solution, str):
         return "a", solution
-    if os.path.isdir(solution):
-        return "b", solution
-    if not os.path.lexists(solution):
-        return "refused", f"solution not found: {solution}"
+    path = os.fspath(solution)
+    if os.path.isdir(path):
+        return "b", path
+    if not os.path.lexists(path):
+        return "refused", f"solution not found: {path}"
     try:
-        return "a", read_file(solution, "solution", ValueError)
+        return "a", read_file(path, "solution", ValueError)
     except ValueError as e:
         return "refused", str(e)
 
@@ -216,6 +220,8 @@ def _solution(solution: str) -> tuple[str, str]:
 def _check(task, solution, cfg, compile_gate, device_gate) -> Verdict:
     require_device(cfg.device)
     src = read_task(task)
+    if not isinstance(solution, (str, os.PathLike)):  # the caller's mistake, not the candidate's: no verdict
+        raise TypeError(f"solution: str (source) or os.PathLike (a location), not {type(solution).__name__}")
     v = Verdict(precision=precision_of(cfg), device=cfg.device, timings={"isolation": isolation()})
     try:
         _run_check(src, solution, cfg, v, compile_gate, device_gate)
@@ -311,7 +317,7 @@ def _prepare(form: str, sol, cfg: SandboxConfig, v: Verdict, compile_gate, wdir:
     return path
 
 
-def _run_check(src: str, solution: str, cfg: SandboxConfig, v: Verdict, compile_gate, device_gate):
+def _run_check(src: str, solution: str | os.PathLike, cfg: SandboxConfig, v: Verdict, compile_gate, device_gate):
     form, sol = _solution(solution)
     form = "c" if form == "b" and is_extension_workspace(sol) else form
     v.form = FORMS[form]
@@ -522,10 +528,12 @@ class SandboxPool:
         finally:
             self._free.put(gpu)
 
-    def submit(self, task: str, solution: str, cfg: SandboxConfig | None = None) -> cf.Future:
+    def submit(self, task: str | os.PathLike, solution: str | os.PathLike,
+               cfg: SandboxConfig | None = None) -> cf.Future:
+        """A future of `check(task, solution)`'s Verdict (str: source; a path: a location)."""
         return self._ex.submit(_check, task, solution, cfg or self.cfg, self._compile_gate, self._device_gate)
 
-    def prewarm(self, tasks: list[str], workers: int, on_done=None) -> dict[str, str | None]:
+    def prewarm(self, tasks: list[str | os.PathLike], workers: int, on_done=None) -> dict[str, str | None]:
         """sandbox.prewarm on this pool's GPUs; call it before the first check (nothing may be timed meanwhile)."""
         return prewarm(tasks, self.cfg, workers, self.gpus, on_done)
 

@@ -45,6 +45,7 @@ import dataclasses
 import glob
 import hashlib
 import os
+import pathlib
 import shutil
 import socket
 import stat
@@ -98,8 +99,9 @@ def make_pool(cfg: SandboxConfig, gpus: list[int] | None = None, compile_workers
     return RayPool(cfg, compile_workers=compile_workers)
 
 
-def check(task: str, solution: str, cfg: SandboxConfig) -> Verdict:
-    """`sandbox.check`, on one lane of the Ray cluster with --sandbox.ray-address."""
+def check(task: str | os.PathLike, solution: str | os.PathLike, cfg: SandboxConfig) -> Verdict:
+    """`sandbox.check` (str: source; a path: a location), on one lane of the Ray cluster with
+    --sandbox.ray-address."""
     if not cfg.ray_address:
         return core.check(task, solution, cfg)
     pool = RayPool(cfg, max_lanes=1)
@@ -113,7 +115,7 @@ def check(task: str, solution: str, cfg: SandboxConfig) -> Verdict:
 # What travels to a lane: the task's source and the candidate's bytes
 
 
-def pack(solution: str) -> tuple:
+def pack(solution: str | os.PathLike) -> tuple:
     """("a", source) | ("b", {relative path: (bytes, mode)}) | ("refused", one line), read on the host the way
     `sandbox.check` reads it (`sandbox._solution`, then `workspace.copy_tree`: no link, capped, no .so)."""
     form, sol = core._solution(solution)
@@ -134,18 +136,14 @@ def pack(solution: str) -> tuple:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def unpack(packed: tuple, where: str) -> str:
-    """The `solution` argument of sandbox.check for a packed candidate, written under the fresh dir `where`."""
+def unpack(packed: tuple, where: str) -> str | pathlib.Path:
+    """The `solution` argument of sandbox.check for a packed candidate: form (a)'s source, or a workspace
+    written under the fresh dir `where`."""
     form, sol = packed
     if form == "refused":  # a path that cannot exist: the check refuses it before any child; the caller sets
-        return os.path.join(where, "refused", "solution.py")  # the host's reason
+        return pathlib.Path(where, "refused", "solution.py")  # the host's reason
     if form == "a":
-        if not workspace.looks_like_path(sol):
-            return sol
-        path = os.path.join(where, "solution.py")  # a one-line source that reads as a path: pass it as a file
-        with open(path, "w") as f:
-            f.write(sol)
-        return path
+        return sol
     ws = os.path.join(where, "ws")
     os.makedirs(ws)
     for rel, (data, mode) in sol.items():
@@ -156,7 +154,7 @@ def unpack(packed: tuple, where: str) -> str:
         with open(path, "wb") as f:
             f.write(data)
         os.chmod(path, stat.S_IMODE(mode) & 0o755)
-    return ws
+    return pathlib.Path(ws)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -201,6 +199,7 @@ class Lane:
         return fn(*args)
 
     def prewarm(self, tasks: list[str], workers: int) -> dict:
+        """`sandbox.prewarm` of the tasks' sources on this lane's pool."""
         return self.pool.prewarm(tasks, workers)
 
 
@@ -378,7 +377,7 @@ class RayPool:
         raise SandboxError(f"a sandbox call was lost twice on the Ray cluster: {lost[1]} (before: {lost[0]})")
 
     # ---- the local pool's interface -------------------------------------------------------------------
-    def _check(self, task: str, solution: str, cfg: SandboxConfig) -> Verdict:
+    def _check(self, task: str | os.PathLike, solution: str | os.PathLike, cfg: SandboxConfig) -> Verdict:
         t0 = time.perf_counter()
         src = workspace.read_task(task)  # TaskError here, as sandbox.check raises it
         packed = pack(solution)
@@ -392,8 +391,10 @@ class RayPool:
             out.timings["ray_overhead_ms"] = round(1e3 * (time.perf_counter() - t0 - out.timings["lane"]["check_s"]), 2)
         return out
 
-    def submit(self, task: str, solution: str, cfg: SandboxConfig | None = None) -> cf.Future:
-        """A future of the Verdict of `solution` on `task`, checked on a lane (sandbox.check's contract)."""
+    def submit(self, task: str | os.PathLike, solution: str | os.PathLike,
+               cfg: SandboxConfig | None = None) -> cf.Future:
+        """A future of the Verdict of `solution` on `task`, checked on a lane (sandbox.check's contract: str is
+        source, a path a location on this host; both are read here and travel as data)."""
         return self._ex.submit(self._check, task, solution, cfg or self.cfg)
 
     def call(self, fn, *args):
@@ -407,9 +408,11 @@ class RayPool:
                 return core.compile_workspace(ws, self.cfg)
         return self._cx.submit(job)
 
-    def prewarm(self, tasks: list[str], workers: int, on_done=None) -> dict[str, str | None]:
+    def prewarm(self, tasks: list[str | os.PathLike], workers: int, on_done=None) -> dict[str, str | None]:
         """sandbox.prewarm on one lane of every node (inductor's caches are per node); call it before the
-        first check. {task sha256: None | the first node's error}."""
+        first check. {task sha256: None | the first node's error}. A task given as a path is read here: its
+        source travels."""
+        tasks = [workspace.read_task(t) for t in tasks]
         first = {}
         for s in self.lanes:
             first.setdefault(s.node_id, s)

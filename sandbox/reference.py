@@ -397,9 +397,9 @@ def _request(cfg: SandboxConfig, role: str, eager: bool = False) -> dict:
             "compile_timeout_s": cfg.run_timeout_s + cfg.compile_timeout_s, "queued": cfg.gpu_clock == "queued"}
 
 
-def baselines(task: str, cfg: SandboxConfig, gpu: int | None = None) -> dict:
-    """{"eager_ms", "compile_ms", "precision", "device", rounds, runs} of the task; cached per (task, device,
-    torch, precision)."""
+def baselines(task: str | os.PathLike, cfg: SandboxConfig, gpu: int | None = None) -> dict:
+    """{"eager_ms", "compile_ms", "precision", "device", rounds, runs} of the task (str: its source; a path: its
+    .py file); cached per (task, device, torch, precision)."""
     src = read_task(task)
     prec, dev = precision_of(cfg), device_name(cfg.device, gpu)
     key = f"{hashlib.sha256(src.encode()).hexdigest()}|{dev}|{prec}"
@@ -417,7 +417,7 @@ def retime(drv: Driver, src: str, cfg: SandboxConfig, gpu, key: str, base: dict)
     return baseline_cache(cfg, key, baseline_entry(end, base["precision"], base["device"], old=base))
 
 
-def prewarm(tasks: list[str], cfg: SandboxConfig, workers: int = 8, gpus: list[int] | None = None,
+def prewarm(tasks: list[str | os.PathLike], cfg: SandboxConfig, workers: int = 8, gpus: list[int] | None = None,
             on_done=None) -> dict[str, str | None]:
     """Compile the `torch.compile` baseline of every task whose baselines are not cached yet, `workers` tasks
     at a time, so that the timed baseline run later finds inductor's FX-graph and Triton caches warm.

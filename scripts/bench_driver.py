@@ -60,7 +60,7 @@ def main() -> int:
     root = tempfile.mkdtemp()
     cfg = sandbox.SandboxConfig(device=args.device, cache_dir=os.path.join(root, "cache"), warmup=2,
                                 iters=args.iters, n_trials=3, warm_spares=0)
-    sol = tg.ws(pathlib.Path(root)) if args.device == "cuda" else tg.FIX + "/relu_ws"
+    sol = tg.ws(pathlib.Path(root)) if args.device == "cuda" else pathlib.Path(tg.FIX, "relu_ws")
     for i in range(args.checks):
         t = time.perf_counter()
         v = sandbox.check(tg.RELU_TASK, sol, cfg)

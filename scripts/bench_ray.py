@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import json
 import os
+import pathlib
 import statistics
 import sys
 import tempfile
@@ -27,8 +28,8 @@ sys.path.insert(0, ROOT)
 import sandbox  # noqa: E402
 import sandbox.ray  # noqa: E402
 
-TASK = os.path.join(ROOT, "tests", "fixtures", "sandbox", "relu_task.py")
-WS = os.path.join(ROOT, "tests", "fixtures", "sandbox", "relu_ws")
+TASK = pathlib.Path(ROOT, "tests", "fixtures", "sandbox", "relu_task.py")
+WS = pathlib.Path(ROOT, "tests", "fixtures", "sandbox", "relu_ws")
 
 
 def batch(pool, n: int) -> dict:

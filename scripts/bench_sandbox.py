@@ -12,6 +12,7 @@ it; later checks find the build cached (the source does not change).
 import argparse
 import json
 import os
+import pathlib
 import statistics
 import subprocess
 import sys
@@ -243,7 +244,7 @@ def main() -> int:
         cfg = sandbox.SandboxConfig(device=args.device, cache_dir=os.path.join(root, "cache"), iters=args.iters,
                                     warmup=10, warm_spares=args.warm_spares, eager_beside=args.eager_beside)
         ws = make_ws(root, args.device, args.kernel)
-        sol = ws if args.form == "b" else inline_solution(args.device)  # what every check below checks
+        sol = pathlib.Path(ws) if args.form == "b" else inline_solution(args.device)  # what every check below checks
         # (1) rebuild after a one-kernel edit vs load_inline
         rb = bench_rebuild(ws, cfg, args.edits)
         res["rebuild_s"] = {"median": statistics.median(rb), "all": rb}

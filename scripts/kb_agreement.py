@@ -49,6 +49,7 @@ import importlib
 import importlib.util
 import json
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -492,7 +493,7 @@ class Run:
                 pool.prewarm(sorted(set(codes.values())), a.prewarm_workers)
                 self.phase("ours_prewarm", t0, len(codes))
             t0 = time.time()
-            futs = {pool.submit(codes[r["problem_path"]], os.path.abspath(os.path.join(a.samples_dir, r["file"]))): r
+            futs = {pool.submit(codes[r["problem_path"]], pathlib.Path(os.path.abspath(a.samples_dir), r["file"])): r
                     for r in todo}   # the sample's path, as kernelbench_eval's samples mode submits it
             for fut in cf.as_completed(futs, timeout=max(self.left_s(), 1) if a.budget_s else None):
                 rec = futs[fut]

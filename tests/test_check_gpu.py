@@ -88,7 +88,7 @@ def workspace(root, call: str) -> str:
     (d / "kernels").mkdir(parents=True)
     (d / "kernels" / "k.cu").write_text(KERNELS)
     (d / "model_new.py").write_text(MODEL_NEW.format(call=call))
-    return str(d)
+    return d
 
 
 def test_a_one_gib_output_passes_at_the_default_limits(tmp_path):
@@ -99,14 +99,14 @@ def test_a_one_gib_output_passes_at_the_default_limits(tmp_path):
     task.write_text(SOFTMAX_TASK.replace("ROWS", "16384").replace("COLS", "16384"))
     sol = workspace(tmp_path, "lib.softmax(ptr(x), ptr(y), x.shape[0], x.shape[1], stream())")
     t = time.perf_counter()
-    v = check(str(task), sol, SandboxConfig(device="cuda", cache_dir=str(tmp_path / "cache")))
+    v = check(task, sol, SandboxConfig(device="cuda", cache_dir=str(tmp_path / "cache")))
     print(f"1 GiB softmax: {time.perf_counter() - t:.1f} s",
           {k: v.to_dict()[k] for k in ("correct", "error", "eager_ms", "compile_ms", "candidate_ms")},
           {k: v.timings.get(k) for k in ("prepare_s", "driver_s", "candidate_s")})
     assert v.compiled and v.correct and v.candidate_ms > 0, v.to_dict()
 
 
-def _cli_check(task: str, sol: str, cache: str) -> tuple[float, dict]:
+def _cli_check(task: str, sol: os.PathLike, cache: str) -> tuple[float, dict]:
     env = {**os.environ, "CUDA_AGENT_CACHE": cache, "PYTHONUNBUFFERED": "1"}
     t = time.perf_counter()
     p = subprocess.run([sys.executable, "cuda_agent.py", "check", task, sol, "--sandbox.device", "cuda", "--json"],

@@ -9,6 +9,7 @@ import dataclasses
 import json
 import math
 import os
+import pathlib
 import shutil
 import sys
 import types
@@ -59,9 +60,10 @@ class FakePool:
         return {}
 
     def submit(self, task, solution, cfg=None):
+        assert isinstance(task, str) and "class Model" in task, "the task source is passed, not a path"
+        assert isinstance(solution, pathlib.Path), "the sample file is passed as a path, not as source"
         name = os.path.basename(solution)
         self.submitted.append(name)
-        assert "class Model" in task, "the task source is passed, not a path"
         f = cf.Future()
         if name in self.crash:
             f.set_exception(RuntimeError("worker died"))

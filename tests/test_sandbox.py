@@ -7,6 +7,7 @@ Run: python -m pytest tests/test_sandbox.py -q -x
 """
 import dataclasses
 import os
+import pathlib
 import shutil
 import socket
 import textwrap
@@ -21,8 +22,8 @@ import sandbox.harness.rules
 from sandbox import SandboxConfig, TaskError, check, compare, load_task, static_scan
 
 FIX = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "sandbox")
-RELU_TASK = os.path.join(FIX, "relu_task.py")
-RELU_WS = os.path.join(FIX, "relu_ws")
+RELU_TASK = pathlib.Path(FIX, "relu_task.py")
+RELU_WS = pathlib.Path(FIX, "relu_ws")
 SOFTMAX_TASK = textwrap.dedent("""
     import torch
     import torch.nn as nn
@@ -70,8 +71,8 @@ def pcfg(cfg):  # with profiling (the relu baselines are computed once, then cac
     return dataclasses.replace(cfg, profile=True)
 
 
-def run(src_or_path, cfg, task=RELU_TASK):
-    return check(task, src_or_path, cfg)
+def run(solution, cfg, task=RELU_TASK):
+    return check(task, solution, cfg)
 
 
 def dynamic_only(cfg):
@@ -138,19 +139,36 @@ def test_bad_input_files_answer_on_the_host_in_milliseconds(cfg, tmp_path):
     import time
     binary = tmp_path / "task.py"
     binary.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe")
-    for task, why in [(str(binary), "not UTF-8"), (str(tmp_path), "is a directory"),
-                      (str(tmp_path / "nope.py"), "not found"), (SOFTMAX_TASK.replace("def get_inputs", "def get_inp"),
-                                                                 "defines no get_inputs")]:
+    for task, why in [(binary, "not UTF-8"), (tmp_path, "is a directory"), (tmp_path / "nope.py", "not found"),
+                      (SOFTMAX_TASK.replace("def get_inputs", "def get_inp"), "defines no get_inputs")]:
         with pytest.raises(TaskError, match=why):
             check(task, sol(), cfg)
     t0 = time.perf_counter()
     v = run(sol(HONEST).replace("return torch", "return (torch"), cfg)  # unbalanced parenthesis
     assert not v.compiled and "line" in v.error and "SyntaxError" in v.error, v.to_dict()
     assert time.perf_counter() - t0 < 2.0, "no sandbox child for a syntax error"
-    assert "not found" in run(str(tmp_path / "missing_solution.py"), cfg).error
+    assert "not found" in run(tmp_path / "missing_solution.py", cfg).error
     txt = tmp_path / "solution.txt"  # any text file holds a form (a) solution
     txt.write_text(sol())
-    assert run(str(txt), cfg).correct
+    assert run(txt, cfg).correct
+
+
+def test_str_is_source_and_path_is_location(cfg, tmp_path):
+    """The argument's type says what it is, never its text: a str that reads like a path is source (and fails
+    as source, on the host), a Path is a location (a missing one is a one-line refusal)."""
+    (tmp_path / "x.py").write_text(sol())  # an honest solution at the path the str names: not read
+    for text, why in [("model_new.py", "solution defines no ModelNew"), (str(tmp_path / "x.py"), "SyntaxError"),
+                      ("/tmp/x.py", "SyntaxError")]:
+        v = run(text, cfg)
+        assert v.form == sandbox.core.FORMS["a"] and not v.compiled and why in v.error, v.to_dict()
+    missing = tmp_path / "missing" / "model_new.py"
+    v = run(missing, cfg)
+    assert v.form == sandbox.core.FORMS["refused"] and v.error == f"solution not found: {missing}", v.to_dict()
+    assert not v.correct and reward_of(v) == -1
+    with pytest.raises(TaskError, match="task defines no Model"):
+        check("relu_task.py", sol(), cfg)
+    with pytest.raises(TaskError, match="task file not found"):
+        check(tmp_path / "relu_task.py", sol(), cfg)
 
 
 def test_a_child_that_cannot_start_is_an_error_not_a_verdict(cfg, monkeypatch):
@@ -259,7 +277,7 @@ def test_inheriting_reference_model(cfg, tmp_path):
     ws = tmp_path / "ws"
     shutil.copytree(RELU_WS, ws)
     (ws / "model_new.py").write_text("from model import Model\n\nclass ModelNew(Model):\n    pass\n")
-    v = run(str(ws), dynamic_only(cfg))
+    v = run(ws, dynamic_only(cfg))
     assert v.violation and "inherits" in v.violation, v.to_dict()
 
 
@@ -364,7 +382,7 @@ def test_native_thread_writes_after_return(cfg, tmp_path):
                 for (long i = 0; i < n; ++i) y[i] = x[i] > 0.f ? x[i] : 0.f;
             }).detach();
         }"""))
-    v = run(str(ws), cfg)  # its output was copied out when forward returned, before the thread wrote it
+    v = run(ws, cfg)  # its output was copied out when forward returned, before the thread wrote it
     assert v.compiled and not v.correct and reward_of(v) == -1, v.to_dict()
 
 
@@ -588,7 +606,7 @@ def test_compile_error_is_a_verdict(cfg, tmp_path):
     ws = tmp_path / "ws"
     shutil.copytree(RELU_WS, ws)
     (ws / "kernels" / "relu.cpp").write_text('extern "C" void relu_forward( { oops }\n')
-    v = run(str(ws), cfg)
+    v = run(ws, cfg)
     assert not v.compiled and v.stage == "compile" and "error" in v.compile_log and reward_of(v) == -1
 
 

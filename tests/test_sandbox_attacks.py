@@ -18,6 +18,7 @@ Run: python -m pytest tests/test_sandbox_attacks.py -q
 import dataclasses
 import json
 import os
+import pathlib
 import textwrap
 
 import pytest
@@ -26,7 +27,7 @@ import reward
 from sandbox import SandboxConfig, check
 
 FIX = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "sandbox")
-RELU_TASK = os.path.join(FIX, "relu_task.py")
+RELU_TASK = pathlib.Path(FIX, "relu_task.py")
 SLOW_RELU = "time.sleep(0.02)\ny = torch.from_numpy(np.maximum(x.numpy(), 0))"  # an honest 20 ms "kernel"
 
 
@@ -174,7 +175,7 @@ def test_times_forged_from_native_code_do_not_enter_the_verdict(pcfg, honest, tm
     forge = "import json, sys\n" + textwrap.dedent(FORGE_PY)
     (ws / "kernels" / "k.cpp").write_text(NATIVE.replace("FORGE", forge))
     (ws / "model_new.py").write_text(NATIVE_MODEL_NEW)
-    v = check(RELU_TASK, str(ws), pcfg)
+    v = check(RELU_TASK, ws, pcfg)
     assert v.compiled, v.to_dict()
     assert v.correct and v.candidate_ms >= 15 and reward_of(v) < 3, v.to_dict()
 

@@ -6,6 +6,7 @@ Run: python -m pytest tests/test_sandbox_files.py -q
 """
 import dataclasses
 import os
+import pathlib
 import pickle
 import shutil
 import socket
@@ -25,8 +26,8 @@ from sandbox import SandboxConfig, TaskError
 from workspace import WorkspaceError
 
 FIX = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "sandbox")
-RELU_TASK = os.path.join(FIX, "relu_task.py")
-RELU_WS = os.path.join(FIX, "relu_ws")
+RELU_TASK = pathlib.Path(FIX, "relu_task.py")
+RELU_WS = pathlib.Path(FIX, "relu_ws")
 BWRAP = pytest.mark.skipif(sandbox.isolation() != "bwrap", reason="needs bubblewrap (apt-get install bubblewrap)")
 
 
@@ -68,7 +69,7 @@ def cfg(tmp_path_factory):
                          run_timeout_s=60, compile_timeout_s=60)
 
 
-def special(kind: str, path) -> str:
+def special(kind: str, path) -> pathlib.Path:
     """Create a FIFO, socket, /dev/zero link or char device at path; skip the test where that is impossible."""
     path = str(path)
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -88,7 +89,7 @@ def special(kind: str, path) -> str:
             os.mknod(path, 0o600 | stat.S_IFCHR, os.makedev(1, 5))  # a second /dev/zero
         except (PermissionError, OSError) as e:
             pytest.skip(f"cannot create a device node here: {e}")
-    return path
+    return pathlib.Path(path)
 
 
 # ----------------------------------------------------------------------------- workspace.py on its own
@@ -178,7 +179,7 @@ def test_check_refuses_special_files(ws, cfg, kind, rel, what):
     if rel == "model_new.py":
         os.remove(ws / rel)
     special(kind, ws / rel)
-    v = within(lambda: sandbox.check(RELU_TASK, str(ws), cfg), 30)
+    v = within(lambda: sandbox.check(RELU_TASK, ws, cfg), 30)
     assert v.error == f"workspace file {rel} is {what}: refused" and score(v) == -1 and not v.correct, v.to_dict()
 
 
@@ -224,7 +225,7 @@ def test_an_edit_of_one_kernel_does_not_rebuild_another(tmp_path, cfg):
 def test_more_kernels_than_max_kernels_is_an_error(ws, cfg):
     for i in range(20):
         shutil.copy(ws / "kernels" / "relu.cpp", ws / "kernels" / f"k{i:02d}.cpp")
-    v = within(lambda: sandbox.check(RELU_TASK, str(ws), cfg), 20)
+    v = within(lambda: sandbox.check(RELU_TASK, ws, cfg), 20)
     assert v.error == "compile failed: 21 kernel sources in kernels/, more than max_kernels=16", v.to_dict()
     assert score(v) == -1
 
@@ -318,11 +319,11 @@ def test_candidate_child_sees_no_cache_repo_or_siblings(ws, cfg):
     """Needs the candidate child to be run with hide=sandbox.hidden(cfg, workspace)."""
     src = (ws / "model_new.py").read_text()
     (ws / "model_new.py").write_text(src + PROBE_MODEL_NEW.format(paths=secrets_for(str(ws), cfg)))
-    v = within(lambda: sandbox.check(RELU_TASK, str(ws), cfg), 90)
+    v = within(lambda: sandbox.check(RELU_TASK, ws, cfg), 90)
     assert v.correct and v.error is None, v.to_dict()
 
 
 @pytest.mark.slow
 def test_honest_workspace_still_correct(ws, cfg):
-    v = within(lambda: sandbox.check(RELU_TASK, str(ws), cfg), 90)
+    v = within(lambda: sandbox.check(RELU_TASK, ws, cfg), 90)
     assert v.compiled and v.correct and v.error is None and v.violation is None and score(v) >= 1, v.to_dict()

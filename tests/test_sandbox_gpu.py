@@ -5,6 +5,7 @@ Run: python -m pytest tests/test_sandbox_gpu.py -q -m gpu
 """
 import dataclasses
 import os
+import pathlib
 import textwrap
 
 import pytest
@@ -14,7 +15,7 @@ from sandbox import SandboxConfig, check
 
 pytestmark = pytest.mark.gpu
 FIX = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "sandbox")
-RELU_TASK = os.path.join(FIX, "relu_task.py")
+RELU_TASK = pathlib.Path(FIX, "relu_task.py")
 MATMUL_TASK = textwrap.dedent("""
     import torch
     import torch.nn as nn
@@ -93,7 +94,7 @@ def ws(tmp_path, body=HONEST, call=RUN, head="", acc="float", cast="", name="ws"
     src = KERNELS.replace("BODY", body).replace("ACC", acc).replace("CAST", cast)
     (d / "kernels" / "k.cu").write_text(src)
     (d / "model_new.py").write_text(MODEL_NEW.format(head=head, call=call))
-    return str(d)
+    return d
 
 
 def test_honest_cuda_workspace(cfg, tmp_path):

@@ -10,6 +10,7 @@ Run: python -m pytest tests/test_sandbox_integrity.py -q
 import dataclasses
 import json
 import os
+import pathlib
 import textwrap
 
 import pytest
@@ -20,7 +21,7 @@ import sandbox.reference
 from sandbox import SandboxConfig, check, static_scan
 
 FIX = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "sandbox")
-RELU_TASK = os.path.join(FIX, "relu_task.py")
+RELU_TASK = pathlib.Path(FIX, "relu_task.py")
 WORK = "time.sleep(0.02)\ny = torch.from_numpy(np.maximum(x.numpy(), 0))"  # an honest 20 ms "kernel"
 
 
@@ -334,7 +335,7 @@ def test_warm_spares_serve_one_candidate_each(cfg, tmp_path):
         ws = tmp_path / f"ep{i}"
         ws.mkdir()
         (ws / "model_new.py").write_text(sol(WORK, head=LEFTOVERS))
-        verdicts.append(check(RELU_TASK, str(ws), c))
+        verdicts.append(check(RELU_TASK, ws, c))
     assert all(v.correct for v in verdicts), [v.to_dict() for v in verdicts]
     assert any(v.timings["warm_child"] for v in verdicts[1:]), \
         ([v.timings for v in verdicts], sandbox.core._SPARES.last_error)

@@ -11,6 +11,7 @@ Run: python -m pytest -q tests/test_sandbox_ray.py -s   (7 min on the 2-core box
 import dataclasses
 import json
 import os
+import pathlib
 import re
 import shutil
 import signal
@@ -38,8 +39,8 @@ from sandbox import SandboxConfig, SandboxError  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIX = os.path.join(ROOT, "tests", "fixtures", "sandbox")
-RELU_TASK = os.path.join(FIX, "relu_task.py")
-RELU_WS = os.path.join(FIX, "relu_ws")
+RELU_TASK = pathlib.Path(FIX, "relu_task.py")
+RELU_WS = pathlib.Path(FIX, "relu_ws")
 KB = os.path.join(ROOT, "tests", "fixtures", "kernelbench")
 KB_RELU = os.path.join(KB, "KernelBench", "level1", "1_Tiny_ReLU.py")
 KB_HACKED = os.path.join(KB, "samples", "level_1_problem_1_sample_1_kernel.py")  # torch.relu fallback: a violation
@@ -80,7 +81,8 @@ def open_pool(cfg, **kw) -> sandbox.ray.RayPool:
 
 def candidates(tmp_path) -> dict:
     """Candidates of each verdict kind: correct (workspace; slow numpy), wrong, a rule violation, a compile
-    error (workspace: the bytes must travel), a workspace holding a link and a missing path (host refusals)."""
+    error (workspace: the bytes must travel), a workspace holding a link and a missing path (host refusals), and
+    a one-line source that reads like a path (judged as source on both)."""
     broken = tmp_path / "broken_ws"
     shutil.copytree(RELU_WS, broken)
     for f in (broken / "kernels").iterdir():
@@ -90,8 +92,8 @@ def candidates(tmp_path) -> dict:
     os.symlink("/etc/passwd", linked / "kernels" / "notes.h")
     return {"workspace": RELU_WS, "slow": sol("time.sleep(0.02)\nreturn torch.from_numpy(np.maximum(x.numpy(), 0))"),
             "wrong": sol("return torch.from_numpy(np.zeros(tuple(x.shape), np.float32))"),
-            "violation": sol("return torch.relu(x)"), "compile_error": str(broken), "link": str(linked),
-            "missing": str(tmp_path / "nothing" / "model_new.py")}
+            "violation": sol("return torch.relu(x)"), "compile_error": broken, "link": linked,
+            "missing": tmp_path / "nothing" / "model_new.py", "path_like": "model_new.py"}
 
 
 @pytest.mark.slow
@@ -121,7 +123,8 @@ def test_verdicts_equal_the_local_pools(cfg, tmp_path):
         assert g.timings["lane"]["node_id"] and g.timings["lane"]["gpu"] is None, g.timings
     assert want["slow"].correct and reward.reward_from_verdict(got["slow"].to_dict()) == 1
     assert not want["wrong"].correct and want["violation"].violation and "compile failed" in want["compile_error"].error
-    for k in ("violation", "link", "missing"):  # the host's reasons, word for word
+    assert want["path_like"].error == "solution defines no ModelNew"
+    for k in ("violation", "link", "missing", "path_like"):  # the host's reasons, word for word
         assert (want[k].violation, want[k].error) == (got[k].violation, got[k].error), k
     assert len({v.timings["lane"]["node_id"] for v in got.values()}) == 2, "the checks ran on both nodes"
 

@@ -221,5 +221,5 @@ def test_refusals_are_answered_on_the_host_before_any_child_starts(tmp_path, mon
     ws = tmp_path / "ws"  # the same through a workspace
     ws.mkdir()
     (ws / "model_new.py").write_text(bad)
-    v = sandbox.check(task, str(ws), cfg)
+    v = sandbox.check(task, ws, cfg)
     assert not v.correct and getattr(v, what) and not v.compiled, v.to_dict()

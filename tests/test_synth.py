@@ -8,6 +8,7 @@ import ctypes
 import dataclasses
 import json
 import os
+import pathlib
 import random
 import subprocess
 
@@ -339,7 +340,7 @@ def test_demos_are_generated_for_pointwise_tasks_only(tmp_path):
 
 def _check_demo(idx, row, device, profile):
     sandbox = pytest.importorskip("sandbox")
-    ws = os.path.join(ROOT, "data", "demos", idx["path"])
+    ws = pathlib.Path(ROOT, "data", "demos", idx["path"])
     v = sandbox.check(row["code"], ws, sandbox.SandboxConfig(device=device, profile=profile))
     assert v.correct and reward.reward_from_verdict(v.to_dict()) >= 1, (idx, v.error, v.violation, v.compile_log[-500:])
 
@@ -368,7 +369,7 @@ def test_gpu_shipped_cuda_demos_pass_the_sandbox(tmp_path):
     sandbox.prewarm([r["code"] for _, r in demos], cfg, workers=8)
     pool = sandbox.SandboxPool(cfg, gpus=[0])
     try:
-        futs = [(idx, pool.submit(r["code"], os.path.join(ROOT, "data", "demos", idx["path"]))) for idx, r in demos]
+        futs = [(idx, pool.submit(r["code"], pathlib.Path(ROOT, "data", "demos", idx["path"]))) for idx, r in demos]
         for idx, f in futs:
             v = f.result()
             assert v.correct and reward.reward_from_verdict(v.to_dict()) >= 1, \

@@ -9,6 +9,7 @@ Run: python -m pytest tests/test_workspace_cuda_agent.py -q     GPU: ... -q -m g
 """
 import json
 import os
+import pathlib
 import shutil
 import time
 
@@ -21,7 +22,7 @@ from cuda_agent import main
 from sandbox import SandboxConfig
 
 FIX = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "cuda_agent")
-TASK = os.path.join(FIX, "axpby_task.py")
+TASK = pathlib.Path(FIX, "axpby_task.py")
 FORM = "cuda-agent workspace (cuda_extension)"
 
 
@@ -60,7 +61,7 @@ def objects(cfg) -> dict:
 
 def cli_check(ws, cfg, *extra) -> int:
     """`python cuda_agent.py check TASK WS` with `cfg`'s cache, correctness only."""
-    return main(["check", TASK, str(ws), "--sandbox.device", "cpu", "--sandbox.cache-dir", cfg.cache_dir,
+    return main(["check", str(TASK), str(ws), "--sandbox.device", "cpu", "--sandbox.cache-dir", cfg.cache_dir,
                  "--sandbox.n-trials", "2", "--sandbox.no-profile", *extra])
 
 
@@ -80,7 +81,7 @@ def test_the_layout_is_recognised_and_its_sources_follow_the_backend():
 
 def test_torch_compute_in_the_cpp_is_refused_before_any_build(ws, cfg):
     edit(ws / "kernels" / "axpby.cpp", "auto out = torch::empty_like(x);", "auto out = at::add(x, y);")
-    v = sandbox.check(TASK, str(ws), cfg)
+    v = sandbox.check(TASK, ws, cfg)
     assert v.violation == "static scan: kernels/axpby.cpp calls at::add (torch compute)", v.to_dict()
     assert not v.compiled and v.form == FORM and "build_s" not in v.timings
 
@@ -125,7 +126,7 @@ def test_a_compile_error_is_reported_with_its_file(ws, cfg, capsys):
     rc = cli_check(ws, cfg)
     out = capsys.readouterr().out
     assert rc == 1 and f"form      : {FORM}" in out, out
-    v = sandbox.check(TASK, str(ws), cfg)  # the same sources: the same error, from the cache
+    v = sandbox.check(TASK, ws, cfg)  # the same sources: the same error, from the cache
     assert not v.compiled and not v.correct and v.stage == "compile", v.to_dict()
     assert v.error.startswith("compile failed: kernels/axpby_binding.cpp:") and "error" in v.error, v.error
     assert f"error     : {v.error}" in out and v.timings["build_s"] < 1
@@ -154,8 +155,9 @@ def test_make_workspace_writes_the_layout_and_its_instructions(tmp_path):
 def test_the_untouched_template_fails_as_the_default_one_does(root, cfg, tmp_path):
     """Both scaffolds build, load and fail at the first call (forward raises NotImplementedError)."""
     task = open(TASK).read()
-    ours = sandbox.check(TASK, tools.make_workspace(str(root / "ws"), task, "cpu", layout="cuda_extension"), cfg)
-    base = sandbox.check(TASK, tools.make_workspace(str(tmp_path / "b"), task, "cpu"), cfg)
+    tools.make_workspace(str(root / "ws"), task, "cpu", layout="cuda_extension")
+    tools.make_workspace(str(tmp_path / "b"), task, "cpu")
+    ours, base = sandbox.check(TASK, root / "ws", cfg), sandbox.check(TASK, tmp_path / "b", cfg)
     for v in (ours, base):
         assert v.compiled and not v.correct and v.stage == "verify", v.to_dict()
         assert v.error.startswith("incorrect on trial 0: forward raised: NotImplementedError: TODO"), v.error
@@ -170,7 +172,7 @@ def test_cuda_variant_builds_and_passes_check_on_the_gpu(tmp_path):
     cfg = SandboxConfig(device="cuda", cache_dir=str(tmp_path / "cache"), warmup=3, iters=20)
     ws = tmp_path / "ws"
     shutil.copytree(os.path.join(FIX, "axpby_cuda"), ws)
-    v = sandbox.check(TASK, str(ws), cfg)
+    v = sandbox.check(TASK, ws, cfg)
     assert v.compiled and v.correct and v.form == FORM and v.candidate_ms > 0, v.to_dict()
     print(f"cold build {v.timings['build_s']:.1f} s")
     before = objects(cfg)
@@ -181,5 +183,5 @@ def test_cuda_variant_builds_and_passes_check_on_the_gpu(tmp_path):
     assert ok, log
     changed = sorted(os.path.basename(p) for p, t in objects(cfg).items() if before.get(p) != t)
     assert changed == ["axpby.cuda.o"], changed
-    v = sandbox.check(TASK, str(ws), cfg)
+    v = sandbox.check(TASK, ws, cfg)
     assert v.correct, v.to_dict()
