@@ -96,14 +96,14 @@ Hook().__enter__()
 @pytest.mark.parametrize("work", ["y = torch.from_numpy(np.maximum(out.numpy(), 0))",   # no kernel at all
                                   "time.sleep(0.02); y = torch.from_numpy(np.maximum(out.numpy(), 0))"])
 @pytest.mark.slow
-def test_work_done_while_the_harness_builds_inputs_gains_nothing(pcfg, honest, work):
+def test_work_done_while_the_harness_builds_inputs_gains_nothing(pcfg, work):
     """The candidate's process never builds an input: a hook on torch's factories sees nothing, so the
-    answer it meant to stash does not exist when forward runs (or, computed in forward, is timed)."""
-    v = check(RELU_TASK, sol("y = STASH.pop() if STASH else torch.from_numpy(np.maximum(x.numpy(), 0))",
+    answer it meant to stash does not exist when forward runs, and forward takes its slow path (the honest
+    20 ms kernel), which is timed. The bound is that path's own sleep, not a comparison with eager: on a
+    loaded machine torch's eager relu can be slower than numpy's, so a reward says nothing about the stash."""
+    v = check(RELU_TASK, sol("if STASH:\n    y = STASH.pop()\nelse:\n    " + SLOW_RELU.replace("\n", "\n    "),
                              head=HOOK.format(work=work)), pcfg)
-    assert reward_of(v) < 3 or v.candidate_ms >= 0.5 * honest.candidate_ms, v.to_dict()
-    if v.correct:  # numpy's relu in forward, timed: near eager's (same check, same child), not a stash's ~0
-        assert v.candidate_ms > 0.2 * v.eager_ms, v.to_dict()
+    assert v.correct and v.candidate_ms >= 19, v.to_dict()  # every timed call slept: no stashed answer
 
 
 # ----------------------------------------------------------------------------- B. forged times and messages

@@ -234,11 +234,12 @@ def assert_lane(v: dict) -> None:
 @pytest.mark.slow
 def test_check_through_the_cli_equals_the_local_check(cfg, tmp_path, capsys, monkeypatch):
     """`cuda_agent.py check` on a lane: the local check's exit code, verdict and reward tier (timed: a candidate
-    20 ms slower than eager is tier 1 on any machine; a torch fallback is a violation, -1), with timings["lane"]
+    200 ms slower than eager is tier 1 on any machine, a loaded one too, where eager's relu was seen at 30-70 ms;
+    a torch fallback is a violation, -1), with timings["lane"]
     in --json and a `lane` line in the text output, which otherwise equals the local one line for line."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.path.join(cfg.cache_dir, "inductor"))
     slow = tmp_path / "slow.py"
-    slow.write_text(sol("time.sleep(0.02)\nreturn torch.from_numpy(np.maximum(x.numpy(), 0))"))
+    slow.write_text(sol("time.sleep(0.2)\nreturn torch.from_numpy(np.maximum(x.numpy(), 0))"))
     flags = ["--sandbox.device", "cpu", "--sandbox.cache-dir", cfg.cache_dir, "--sandbox.warmup", "2",
              "--sandbox.iters", "10"]
     runs = {"timed": ["check", RELU_TASK, slow, "--json", "--sandbox.allow-imports", "numpy,time", *flags],
