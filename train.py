@@ -8,8 +8,8 @@ pool) -> reward (reward.py, Eq. 1) -> score -> GAE -> PPO update -> log. Math an
 Ablations (one flag each; the default is the paper's recipe): --rft.steps 0, --value.steps 0,
 --env.reward speedup, --env.max-turns 1 (stages 2 and 4 single-turn), --ppo.kl-coef, --lora.rank,
 --lora.targets, --ppo.tis-cap (truncated importance sampling against the sampler-trainer gap; off, as in the
-paper). A control, not an ablation: --agent.permute-rewards (stage 4 trains on its rewards dealt out to other
-trajectories of the step).
+paper). A control, not an ablation: --agent.permute-rewards (stage 4 trains on its rewards dealt out by a random
+permutation over the step's trajectories).
 
 The stages are uniform, `stage(run, start)`, in STAGE_RUNNERS; `train` runs them in order from where a resumed
 run stopped. Their settings are TrainConfig's groups (train_config.py): --warmup.*, --rft.*, --value.*, --agent.*.
@@ -138,19 +138,14 @@ def local_share(n: int) -> int:
 
 
 def permuted_rewards(rewards: list[float], key: str) -> list[float]:
-    """--agent.permute-rewards (stage 4 control): the same rewards dealt out at random so that no trajectory keeps its
-    own: a uniform derangement, drawn by rejection (about e draws), seeded by `key` ("seed:permute:stage:step",
-    the same on every rank and after a resume). Not any permutation: with one, a trajectory keeps its own reward
-    with probability 1/n, and the reward it trains on still carries 1/n of its own outcome. One reward: no other
-    to swap with, returned as it is."""
-    n = len(rewards)
-    if n < 2:
-        return list(rewards)
+    """--agent.permute-rewards (stage 4 control): the step's rewards dealt out by a uniform random permutation,
+    seeded by `key` ("seed:permute:stage:step", the same on every rank and after a resume): the same rewards and
+    update sizes, and a reward that tells nothing of its trajectory's outcome (E[r_sigma(i)] is the step's mean
+    for every i: covariance 0 with the trajectory's own reward). Not a derangement: forbidding fixed points makes
+    E[r_sigma(i)] = (n * mean - r_i) / (n - 1), covariance -var / (n - 1) with the own reward, a push away from
+    what passed (1/7 of the true signal at 8 episodes a step)."""
     rng = random.Random(key)
-    while True:
-        perm = rng.sample(range(n), n)
-        if all(p != i for i, p in enumerate(perm)):
-            return [rewards[p] for p in perm]
+    return [rewards[p] for p in rng.sample(range(len(rewards)), len(rewards))]
 
 
 def deal(tasks: list, demos: list, n: int, fraction: float, key: str) -> tuple[list, list]:

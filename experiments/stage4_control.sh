@@ -10,8 +10,8 @@
 # header (its checkpoint.pt is then the stage-3 end, stage 4 step 0: written before the header, and the next
 # one comes only after the first stage-4 step). Copies of that directory resume stage 4: "trained" as the
 # default; "control" with --ppo.lr-actor 0 (a frozen actor: its AdamW steps are zero; the critic trains as
-# usual); "permuted" with --agent.permute-rewards (the actor and critic train on each step's rewards dealt out to other
-# trajectories of the step: the same rewards and update sizes, no tie between an episode and its reward). All
+# usual); "permuted" with --agent.permute-rewards (the actor and critic train on each step's rewards dealt out by a
+# uniform random permutation: the same rewards and update sizes, no tie between an episode and its reward). All
 # restore the checkpoint's RNG state, so they run the same probe and draw the same per-step sampling seeds and
 # task order. One training at a time, niced.
 set -u

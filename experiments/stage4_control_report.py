@@ -1,6 +1,6 @@
 """Stage 4 against its two controls (experiments/stage4_control.sh): "trained" (the defaults), "control" (a frozen
-actor, --ppo.lr-actor 0) and "permuted" (--agent.permute-rewards: each step's rewards dealt out to other
-trajectories).
+actor, --ppo.lr-actor 0) and "permuted" (--agent.permute-rewards: each step's rewards dealt out by a random
+permutation over its trajectories).
 
 Per run: the probe, correct episodes per step, half counts and rewards, per-task halves, wall time. Per seed and
 control arm: the pairing checks (same probe, same task order, where the paired episodes first differ) and the
